@@ -1,0 +1,117 @@
+"""Every change this package makes to mlx-lm, in one place.
+
+``install()`` wires the MLA caches into the installed mlx-lm and returns what
+it patched; calling it again changes nothing. ``uninstall()`` puts every
+original back. Each patch is applied only where the code it replaces is
+there, and outside the tested mlx-lm range a warning says so once.
+"""
+
+import importlib
+import logging
+import warnings
+
+import mlx_lm
+
+from .cache import BatchMLALatentCache, MLALatentCache
+from .hooks import (
+    DefaultLatentCaches,
+    batch_cache_hook,
+    candidate_model_types,
+    make_cache_hook,
+)
+
+# Tested range of mlx-lm: [low, high).
+SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))
+
+_applied = []  # (owner, name, had_own_value, old_value, label), in order
+_warned = False
+
+
+def mlx_lm_version():
+    parts = []
+    for piece in mlx_lm.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def is_supported() -> bool:
+    low, high = SUPPORTED_MLX_LM
+    return low <= mlx_lm_version() < high
+
+
+def installed():
+    """Labels of the patches in force."""
+    return [p[-1] for p in _applied]
+
+
+def _set(owner, name, value, label):
+    had = name in vars(owner)
+    _applied.append((owner, name, had, vars(owner).get(name), label))
+    setattr(owner, name, value)
+
+
+def install():
+    """Activates the MLA caches in the installed mlx-lm. Idempotent.
+
+    Returns:
+        List[str]: what is patched, e.g. ``mlx_lm.models.deepseek_v3.Model.make_cache``.
+    """
+    global _warned
+    if _applied:
+        return installed()
+    if not is_supported() and not _warned:
+        _warned = True
+        low, high = SUPPORTED_MLX_LM
+        warnings.warn(
+            f"mlx-lm-mla is tested with mlx-lm {'.'.join(map(str, low))} up to "
+            f"(not including) {'.'.join(map(str, high))}; found "
+            f"{mlx_lm.__version__}. Only patches whose targets are found are applied.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    # load_prompt_cache and CacheList look cache classes up by name here.
+    cache_module = importlib.import_module("mlx_lm.models.cache")
+    if hasattr(cache_module, "load_prompt_cache"):
+        for cls in (MLALatentCache, BatchMLALatentCache):
+            _set(cache_module, cls.__name__, cls, f"mlx_lm.models.cache.{cls.__name__}")
+
+    for name in candidate_model_types():
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{name}")
+        except Exception as e:  # a model with optional dependencies
+            logging.debug("mlx-lm-mla: skipping %s: %s", name, e)
+            continue
+        cls = getattr(module, "Model", None)
+        if cls is None:
+            continue
+        current = getattr(cls, "make_cache", None)
+        if hasattr(current, "mlx_lm_mla_original"):
+            continue  # inherits a hooked make_cache
+        hook = DefaultLatentCaches() if current is None else make_cache_hook(current)
+        _set(cls, "make_cache", hook, f"{module.__name__}.Model.make_cache")
+
+    # mlx-lm 0.31 builds batch caches from a fixed list of types.
+    generate = importlib.import_module("mlx_lm.generate")
+    if callable(getattr(generate, "_make_cache", None)):
+        _set(
+            generate,
+            "_make_cache",
+            batch_cache_hook(generate._make_cache),
+            "mlx_lm.generate._make_cache",
+        )
+    return installed()
+
+
+def uninstall():
+    """Restores everything ``install()`` changed. Returns what was restored."""
+    restored = []
+    while _applied:
+        owner, name, had, old, label = _applied.pop()
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
+        restored.append(label)
+    return restored[::-1]
