@@ -1,0 +1,32 @@
+import mlx.core as mx
+import pytest
+
+import mlx_lm_mla
+
+LATENT = 64
+ROPE = 16
+
+
+def rows(L, B=1, seed=None, dtype=mx.float32):
+    """A random (latent, rope key) update of L tokens for B sequences."""
+    if seed is not None:
+        mx.random.seed(seed)
+    latent = mx.random.normal((B, 1, L, LATENT)).astype(dtype)
+    rope = mx.random.normal((B, 1, L, ROPE)).astype(dtype)
+    return latent, rope
+
+
+@pytest.fixture
+def installed():
+    """mlx-lm with the MLA caches active, restored afterwards."""
+    mlx_lm_mla.install()
+    yield
+    mlx_lm_mla.uninstall()
+
+
+@pytest.fixture
+def stock():
+    """mlx-lm exactly as published: nothing of ours is patched in."""
+    mlx_lm_mla.uninstall()
+    yield
+    mlx_lm_mla.uninstall()
