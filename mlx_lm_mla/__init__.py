@@ -7,7 +7,7 @@
 from .cache import BatchMLALatentCache, MLALatentCache
 from .patch import install, installed, uninstall
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "MLALatentCache",

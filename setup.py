@@ -1,0 +1,30 @@
+from pathlib import Path
+
+from setuptools import setup
+
+here = Path(__file__).parent
+version = {}
+exec((here / "mlx_lm_mla" / "_version.py").read_text(), version)
+
+# The range of mlx-lm this package is tested against (see patch.py).
+MLX_LM = "mlx-lm{extra}>=0.31.2,<0.33"
+
+setup(
+    name="mlx-lm-mla",
+    version=version["__version__"],
+    description="MLA-aware KV caches for mlx-lm: fixes KV quantization, prompt "
+    "caching and batching for DeepSeek-V3, GLM-4.7-Flash, Kimi and LongCat models",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    packages=["mlx_lm_mla"],
+    python_requires=">=3.10",
+    install_requires=[MLX_LM.format(extra=""), "tokenizers"],
+    extras_require={
+        "cpu": [MLX_LM.format(extra="[cpu]")],
+        "cuda12": [MLX_LM.format(extra="[cuda12]")],
+        "cuda13": [MLX_LM.format(extra="[cuda13]")],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["mlx-lm-mla=mlx_lm_mla.__main__:main"]},
+)
