@@ -31,14 +31,25 @@ def count_latent_attention(layer) -> int:
 
 
 def candidate_model_types():
-    """Model modules in the installed mlx-lm that mention ``kv_lora_rank``.
-    A text scan, so nothing is imported just to look."""
+    """Model modules in the installed mlx-lm that may cache a latent: those
+    that mention ``kv_lora_rank`` and those built on them (``kimi_k25`` wraps
+    ``deepseek_v3``). A text scan, so nothing is imported just to look."""
     root = Path(mlx_lm.models.__path__[0])
-    found = []
-    for info in pkgutil.iter_modules([str(root)]):
-        path = root / f"{info.name}.py"
-        if path.is_file() and "kv_lora_rank" in path.read_text(encoding="utf-8"):
-            found.append(info.name)
+    sources = {
+        info.name: (root / f"{info.name}.py").read_text(encoding="utf-8")
+        for info in pkgutil.iter_modules([str(root)])
+        if (root / f"{info.name}.py").is_file()
+    }
+    found = {name for name, text in sources.items() if "kv_lora_rank" in text}
+    grew = True
+    while grew:
+        users = {
+            name
+            for name, text in sources.items()
+            if name not in found and any(f"from .{f} import" in text for f in found)
+        }
+        found |= users
+        grew = bool(users)
     return sorted(found)
 
 
