@@ -8,11 +8,13 @@ there, and outside the tested mlx-lm range a warning says so once.
 
 import importlib
 import logging
+import sys
 import warnings
 
 import mlx_lm
 
 from .cache import BatchMLALatentCache, MLALatentCache
+from .guards import check_cache_file
 from .hooks import (
     DefaultLatentCaches,
     batch_cache_hook,
@@ -49,6 +51,15 @@ def _set(owner, name, value, label):
     had = name in vars(owner)
     _applied.append((owner, name, had, vars(owner).get(name), label))
     setattr(owner, name, value)
+
+
+def checked_load_hook(original):
+    def load_prompt_cache(file_name, *args, **kwargs):
+        check_cache_file(file_name)
+        return original(file_name, *args, **kwargs)
+
+    load_prompt_cache.mlx_lm_mla_original = original
+    return load_prompt_cache
 
 
 def install():
@@ -91,6 +102,14 @@ def install():
             continue  # inherits a hooked make_cache
         hook = DefaultLatentCaches() if current is None else make_cache_hook(current)
         _set(cls, "make_cache", hook, f"{module.__name__}.Model.make_cache")
+
+    # Refuse truncated cache files before they are read.
+    original_load = getattr(cache_module, "load_prompt_cache", None)
+    if callable(original_load):
+        checked = checked_load_hook(original_load)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("mlx_lm") and getattr(module, "load_prompt_cache", None) is original_load:
+                _set(module, "load_prompt_cache", checked, f"{name}.load_prompt_cache")
 
     # mlx-lm 0.31 builds batch caches from a fixed list of types.
     generate = importlib.import_module("mlx_lm.generate")

@@ -1,0 +1,84 @@
+"""Should the RoPE key be quantized along with the latent?
+
+Measures, on a tiny GLM-4.7-Flash shaped model with dense layers (so MoE
+routing flips do not hide the cache's own error), the max |logit difference|
+against the unquantized cache when only the latent is quantized and when the
+RoPE key is quantized too, and the bytes per token either way at the real
+GLM-4.7-Flash widths (kv_lora_rank 512, rope 64, bfloat16).
+
+    python benchmarks/rope_precision.py
+"""
+
+import argparse
+import json
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_lm_mla
+from mlx_lm_mla import MLALatentCache, tiny
+
+
+class RopeQuantizedCache(MLALatentCache):
+    """For this measurement only: also rounds the RoPE key to bits."""
+
+    rope_bits = None
+
+    def update_and_fetch(self, latent, rope):
+        latent, rope = super().update_and_fetch(latent, rope)
+        if self.rope_bits:
+            # Round every cached position, as a quantized store would.
+            q = mx.quantize(rope, group_size=self.group_size, bits=self.rope_bits)
+            rope = mx.dequantize(*q, group_size=self.group_size, bits=self.rope_bits)
+        return latent, rope
+
+
+def logits(model, tokens, prefill, bits, quantize_rope):
+    cache = [RopeQuantizedCache() for _ in make_prompt_cache(model)]
+    model(mx.array([tokens[:prefill]]), cache=cache)
+    for c in cache:
+        if bits:
+            c.to_quantized(group_size=64, bits=bits)
+            c.rope_bits = bits if quantize_rope else None
+    steps = [model(mx.array([[t]]), cache=cache) for t in tokens[prefill:]]
+    return mx.concatenate(steps, axis=1)
+
+
+def bytes_per_token(bits, quantize_rope, latent=512, rope=64, dtype_bytes=2, group=64):
+    def packed(width, b):
+        return width * b / 8 + 2 * (width // group) * dtype_bytes
+
+    lat = packed(latent, bits) if bits else latent * dtype_bytes
+    rp = packed(rope, bits) if bits and quantize_rope else rope * dtype_bytes
+    return lat + rp
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+    mlx_lm_mla.install()
+    model, _ = tiny.build_model(
+        "glm4_moe_lite", kv_lora_rank=128, qk_rope_head_dim=64, first_k_dense_replace=99
+    )
+    tokens = [(5 * i + 7) % 190 + 5 for i in range(args.tokens)]
+    prefill = args.tokens // 2
+    ref = logits(model, tokens, prefill, None, False)
+    rows = []
+    print(f"{'bits':>4}  {'RoPE key':<10}{'max |dlogit|':>13}{'bytes/token/layer':>19}")
+    for bits in (8, 4):
+        for quantize_rope in (False, True):
+            diff = mx.abs(logits(model, tokens, prefill, bits, quantize_rope) - ref).max().item()
+            size = bytes_per_token(bits, quantize_rope)
+            rows.append(dict(bits=bits, quantize_rope=quantize_rope, max_logit_diff=diff, bytes_per_token_layer=size))
+            label = "quantized" if quantize_rope else "bfloat16"
+            print(f"{bits:>4}  {label:<10}{diff:>13.4f}{size:>19.0f}")
+    print(f"unquantized: {bytes_per_token(None, False):.0f} bytes/token/layer")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mlx_lm": mlx_lm_mla.patch.mlx_lm.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
