@@ -1,6 +1,21 @@
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PTH = "mlx_lm_mla.pth"
+
+
+class build_py_with_pth(build_py):
+    """Ships mlx_lm_mla.pth at the top of site-packages: Python runs it at
+    start-up to activate the fix (see mlx_lm_mla/activate.py)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(str(here / PTH), str(Path(self.build_lib) / PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH)]
 
 here = Path(__file__).parent
 version = {}
@@ -26,5 +41,6 @@ setup(
         "cuda13": [MLX_LM.format(extra="[cuda13]")],
         "test": ["pytest", "hypothesis"],
     },
+    cmdclass={"build_py": build_py_with_pth},
     entry_points={"console_scripts": ["mlx-lm-mla=mlx_lm_mla.__main__:main"]},
 )

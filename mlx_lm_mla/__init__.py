@@ -2,18 +2,28 @@
 
     import mlx_lm_mla
     mlx_lm_mla.install()   # every MLA model mlx-lm loads now gets latent caches
+
+Importing this package is cheap: the caches and the patches load on first
+use, so the start-up hook (``activate.py``) costs next to nothing.
 """
 
-from .cache import BatchMLALatentCache, MLALatentCache
-from .patch import install, installed, uninstall
+import importlib
 
 from ._version import __version__
 
-__all__ = [
-    "MLALatentCache",
-    "BatchMLALatentCache",
-    "install",
-    "installed",
-    "uninstall",
-    "__version__",
-]
+_EXPORTS = {
+    "MLALatentCache": "cache",
+    "BatchMLALatentCache": "cache",
+    "install": "patch",
+    "installed": "patch",
+    "uninstall": "patch",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,11 +1,13 @@
-"""Command line: ``python -m mlx_lm_mla repro`` (also ``mlx-lm-mla repro``)."""
+"""Command line: ``mlx-lm-mla repro`` replays the reported failure;
+``mlx-lm-mla serve [mlx_lm.server flags]`` runs the server with the fix.
+Also ``python -m mlx_lm_mla ...``."""
 
 import sys
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"repro": "mlx_lm_mla.repro"}
+    commands = {"repro": "mlx_lm_mla.repro", "serve": "mlx_lm_mla.server"}
     if not argv or argv[0] not in commands:
         print(f"usage: mlx-lm-mla {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

@@ -1,0 +1,73 @@
+"""Turns the fix on in every Python process that imports ``mlx_lm``.
+
+Installing the package puts ``mlx_lm_mla.pth`` in site-packages. Python runs
+it at start-up, and it calls ``watch()``, which only adds an import hook: no
+mlx or mlx-lm import happens then. When ``mlx_lm`` finishes importing, the
+hook calls ``mlx_lm_mla.install()``. So ``python -m mlx_lm.server``,
+``mlx_lm.generate`` and servers that import ``mlx_lm`` get the fix with no
+change to their code. ``MLX_LM_MLA_DISABLE=1`` turns it off.
+"""
+
+import os
+import sys
+import warnings
+
+TARGET = "mlx_lm"
+
+
+def disabled() -> bool:
+    return os.environ.get("MLX_LM_MLA_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _activate():
+    try:
+        from .patch import install
+
+        install()
+    except Exception as e:  # never break the user's import of mlx_lm
+        warnings.warn(f"mlx-lm-mla could not activate: {e!r}", RuntimeWarning)
+
+
+class _Loader:
+    """Runs the real loader, then activates. Anything else goes to the real one."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _activate()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _AfterImport:
+    # A plain meta path finder: importlib.abc would pull in importlib.resources.
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def watch():
+    """Activates when ``mlx_lm`` is imported (now, if it already is)."""
+    if disabled():
+        return
+    if TARGET in sys.modules:
+        _activate()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
