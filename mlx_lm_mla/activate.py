@@ -16,7 +16,12 @@ TARGET = "mlx_lm"
 
 
 def disabled() -> bool:
-    return os.environ.get("MLX_LM_MLA_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("MLX_LM_MLA_DISABLE", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
 
 
 def _activate():

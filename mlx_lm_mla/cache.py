@@ -26,9 +26,6 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import _BaseCache
-
 __all__ = ["MLALatentCache", "BatchMLALatentCache"]
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -83,6 +80,19 @@ def _check_pair(name, latent, rope, batch_size=None):
             f"{name}.update_and_fetch: expected a batch of {batch_size}, "
             f"got {latent.shape[0]}"
         )
+
+
+def _causal_mask(N, offset, left_padding=None, window_size=None):
+    """Boolean mask of N queries at positions offset.. over offset + N keys;
+    (B, 1, N, offset + N) when rows have left padding to hide."""
+    queries = mx.arange(offset, offset + N)[:, None]
+    keys = mx.arange(offset + N)[None]
+    mask = queries >= keys
+    if window_size is not None:
+        mask = mask & (queries < keys + window_size)
+    if left_padding is not None:
+        mask = mask & (keys >= left_padding[:, None, None, None])
+    return mask
 
 
 def _quantize(x, group_size, bits):
@@ -315,7 +325,7 @@ class _LatentStore:
         return obj
 
 
-class MLALatentCache(_LatentStore, _BaseCache):
+class MLALatentCache(_LatentStore):
     """The cache of one MLA layer for one sequence (B is usually 1).
 
     Args:
@@ -361,7 +371,7 @@ class MLALatentCache(_LatentStore, _BaseCache):
         # MLA models combine the mask with mx.where, so it is always an array.
         if N == 1 and window_size is None:
             return None
-        return create_causal_mask(N, self.offset, window_size=window_size)
+        return _causal_mask(N, self.offset, window_size=window_size)
 
     @property
     def state(self):
@@ -381,7 +391,7 @@ class MLALatentCache(_LatentStore, _BaseCache):
         return BatchMLALatentCache.merge(caches)
 
 
-class BatchMLALatentCache(_LatentStore, _BaseCache):
+class BatchMLALatentCache(_LatentStore):
     """The cache of one MLA layer for a batch of sequences.
 
     Rows are left padded, so every row ends at the same index; ``offset`` is
@@ -457,9 +467,7 @@ class BatchMLALatentCache(_LatentStore, _BaseCache):
         return self
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        return create_causal_mask(
-            N, offset=self._idx, left_padding=self.left_padding, window_size=window_size
-        )
+        return _causal_mask(N, self._idx, self.left_padding, window_size)
 
     def filter(self, batch_indices):
         """Keeps only the given rows, then drops padding no row needs."""

@@ -2,14 +2,30 @@
 with a clear error instead of poisoning later requests."""
 
 import json
+import logging
 import math
 import os
 import struct
 
+logger = logging.getLogger(__name__)
+
 _DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
 }
 
 
@@ -27,7 +43,9 @@ def check_cache_file(path):
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CorruptCacheFile(f"prompt cache file {path} is too short ({size} bytes)")
+            raise CorruptCacheFile(
+                f"prompt cache file {path} is too short ({size} bytes)"
+            )
         (header_len,) = struct.unpack("<Q", head)
         if 8 + header_len > size:
             raise CorruptCacheFile(
@@ -37,7 +55,9 @@ def check_cache_file(path):
         try:
             header = json.loads(f.read(header_len))
         except ValueError as e:
-            raise CorruptCacheFile(f"prompt cache file {path} has an unreadable header: {e}")
+            raise CorruptCacheFile(
+                f"prompt cache file {path} has an unreadable header: {e}"
+            )
     if not isinstance(header, dict):
         raise CorruptCacheFile(f"prompt cache file {path} has an unreadable header")
     data = size - 8 - header_len
@@ -48,9 +68,162 @@ def check_cache_file(path):
             start, end = info["data_offsets"]
             expected = math.prod(info["shape"]) * _DTYPE_BYTES.get(info["dtype"], 0)
         except (KeyError, TypeError, ValueError):
-            raise CorruptCacheFile(f"prompt cache file {path}: tensor {name!r} is malformed")
+            raise CorruptCacheFile(
+                f"prompt cache file {path}: tensor {name!r} is malformed"
+            )
         if end > data or end - start < 0 or (expected and end - start != expected):
             raise CorruptCacheFile(
                 f"prompt cache file {path} is truncated or corrupt: tensor "
                 f"{name!r} needs bytes {start}..{end} of {data}"
             )
+
+
+# --- the prompt cache shared across requests (LRUPromptCache) ---------------
+
+
+def _leaves(caches):
+    for c in caches:
+        inner = getattr(c, "caches", None)
+        if isinstance(inner, (list, tuple)):
+            yield from _leaves(inner)
+        else:
+            yield c
+
+
+def cache_problem(caches, length):
+    """Why a prompt cache cannot hold ``length`` tokens, or None if it can:
+    every layer is a known cache class, its state is arrays (or scalars), and
+    every layer with an ``offset`` holds exactly ``length`` tokens."""
+    import mlx.core as mx
+    import mlx_lm.models.cache as cache_module
+    from mlx.utils import tree_flatten
+
+    if not isinstance(caches, (list, tuple)) or not caches:
+        return f"not a list of layer caches: {type(caches).__name__}"
+    for i, c in enumerate(_leaves(caches)):
+        name = type(c).__name__
+        if getattr(cache_module, name, None) is not type(c):
+            return f"layer {i}: unknown cache class {name}"
+        try:
+            state = c.state
+        except Exception as e:
+            return f"layer {i}: {name}.state fails: {e!r}"
+        for key, leaf in tree_flatten(state):
+            if not isinstance(leaf, (mx.array, int, float, str, type(None))):
+                return f"layer {i}: {name}.state[{key}] is a {type(leaf).__name__}"
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int) and offset != length:
+            return f"layer {i}: {name} holds {offset} tokens, expected {length}"
+    return None
+
+
+def _evict(store, model, key):
+    entry = store._trie.pop(model, key)
+    store._lru.remove(model, key)
+    store._n_bytes -= entry.nbytes
+    store._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+
+
+def guarded_fetch(original):
+    """``LRUPromptCache.fetch_nearest_cache`` that never hands out a bad cache
+    and never an empty remainder."""
+
+    def fetch_nearest_cache(self, model, tokens):
+        # Evict any candidate entry that does not hold what its key says.
+        found = self._trie.search(model, tokens)
+        for key in (found.exact, found.longer, found.shorter):
+            if key is None:
+                continue
+            entry = self._trie.get(model, key)
+            problem = cache_problem(entry.prompt_cache, len(key))
+            if problem:
+                logger.warning(
+                    "mlx-lm-mla: evicted a bad prompt cache entry: %s", problem
+                )
+                _evict(self, model, key)
+        cache, rest = original(self, model, tokens)
+        if cache is None:
+            return cache, rest
+        if cache_problem(cache, len(tokens) - len(rest)):
+            return None, tokens
+        if not rest:
+            # An exact hit: step back one token so there is one to process.
+            if all(c.is_trimmable() for c in cache) and len(tokens) > 0:
+                for c in cache:
+                    c.trim(1)
+                return cache, tokens[-1:]
+            return None, tokens
+        return cache, rest
+
+    fetch_nearest_cache.mlx_lm_mla_original = original
+    return fetch_nearest_cache
+
+
+def guarded_insert(original):
+    """``LRUPromptCache.insert_cache`` that refuses a cache which does not
+    hold exactly the tokens of its key (a partial or broken one)."""
+
+    def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
+        problem = cache_problem(prompt_cache, len(tokens))
+        if problem:
+            logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)
+            return
+        return original(self, model, tokens, prompt_cache, *args, **kwargs)
+
+    insert_cache.mlx_lm_mla_original = original
+    return insert_cache
+
+
+# --- the server's generation thread ----------------------------------------
+
+
+def _inflight(generator):
+    return generator.__dict__.setdefault("_mlx_lm_mla_inflight", set())
+
+
+def tracked_next_request(original):
+    """``ResponseGenerator._next_request`` that remembers which requests are
+    open, so they can be answered if the generation loop fails."""
+
+    def _next_request(self, timeout=None):
+        request = original(self, timeout)
+        if request is not None:
+            rqueue, open_requests = request[0], _inflight(self)
+            open_requests.add(rqueue)
+            put = rqueue.put
+
+            def put_and_track(item, *args, **kwargs):
+                put(item, *args, **kwargs)
+                if item is None or isinstance(item, Exception):
+                    open_requests.discard(rqueue)
+
+            rqueue.put = put_and_track
+        return request
+
+    _next_request.mlx_lm_mla_original = original
+    return _next_request
+
+
+def supervised_generate(original):
+    """``ResponseGenerator._generate`` that survives a failing request.
+
+    Upstream, an exception in the batched loop ends the generation thread and
+    every later request fails or hangs. Here the open requests get a clear
+    error, their batch and caches are dropped (nothing partial was stored:
+    the prompt cache keeps copies only), and the loop starts again."""
+
+    def _generate(self):
+        while True:
+            try:
+                return original(self)
+            except Exception as e:
+                logger.exception("mlx-lm-mla: generation failed; recovering")
+                error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
+                for rqueue in list(_inflight(self)):
+                    rqueue.put(error)
+                _inflight(self).clear()
+                if self._stop:
+                    return
+
+    _generate.mlx_lm_mla_original = original
+    return _generate

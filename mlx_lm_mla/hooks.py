@@ -7,13 +7,17 @@ latent to per-head K/V (``deepseek_v2``, ``minicpm3``) have no ``embed_q``
 and keep their caches. Nothing here patches anything; ``patch.py`` does.
 """
 
+import importlib
 import pkgutil
 from pathlib import Path
 
-import mlx_lm.models
-from mlx_lm.models.cache import CacheList, KVCache
-
 from .cache import BatchMLALatentCache, MLALatentCache
+
+
+# mlx-lm is imported on use, not here: the start-up hook runs install() while
+# mlx_lm itself is importing (see activate.py).
+def _upstream():
+    return importlib.import_module("mlx_lm.models.cache")
 
 
 def is_latent_attention(module) -> bool:
@@ -34,7 +38,7 @@ def candidate_model_types():
     """Model modules in the installed mlx-lm that may cache a latent: those
     that mention ``kv_lora_rank`` and those built on them (``kimi_k25`` wraps
     ``deepseek_v3``). A text scan, so nothing is imported just to look."""
-    root = Path(mlx_lm.models.__path__[0])
+    root = Path(importlib.import_module("mlx_lm.models").__path__[0])
     sources = {
         info.name: (root / f"{info.name}.py").read_text(encoding="utf-8")
         for info in pkgutil.iter_modules([str(root)])
@@ -58,6 +62,7 @@ def with_latent_caches(model, caches):
     ``KVCache`` of every latent-caching attention. ``CacheList`` layers get
     only their latent members replaced (the DSA indexer keeps its cache);
     other caches, such as the ``ArraysCache`` of linear layers, are kept."""
+    up = _upstream()
     layers = list(model.layers)
     # Extra caches come first (LongCat n-gram keeps one before the layers).
     start = len(caches) - len(layers)
@@ -69,20 +74,20 @@ def with_latent_caches(model, caches):
         if n == 0:
             continue
         c = caches[start + i]
-        if type(c) is KVCache:
+        if type(c) is up.KVCache:
             caches[start + i] = MLALatentCache()
-        elif isinstance(c, CacheList):
+        elif isinstance(c, up.CacheList):
             members = list(c.caches)
             for j, m in enumerate(members):
-                if n > 0 and type(m) is KVCache:
+                if n > 0 and type(m) is up.KVCache:
                     members[j] = MLALatentCache()
                     n -= 1
-            caches[start + i] = CacheList(*members)
+            caches[start + i] = up.CacheList(*members)
     return caches
 
 
 def holds_latent_cache(cache) -> bool:
-    if isinstance(cache, CacheList):
+    if isinstance(cache, _upstream().CacheList):
         return any(holds_latent_cache(c) for c in cache.caches)
     return isinstance(cache, MLALatentCache)
 
@@ -123,7 +128,8 @@ class DefaultLatentCaches:
             raise AttributeError("make_cache")
 
         def make_cache():
-            return with_latent_caches(model, [KVCache() for _ in model.layers])
+            plain = [_upstream().KVCache() for _ in model.layers]
+            return with_latent_caches(model, plain)
 
         return make_cache
 
@@ -158,18 +164,20 @@ class _CacheShim:
 
 
 def _as_plain(cache):
+    up = _upstream()
     if isinstance(cache, MLALatentCache):
-        return KVCache()
-    if isinstance(cache, CacheList):
-        return CacheList(*(_as_plain(c) for c in cache.caches))
+        return up.KVCache()
+    if isinstance(cache, up.CacheList):
+        return up.CacheList(*(_as_plain(c) for c in cache.caches))
     return cache
 
 
 def _as_batch(single, converted, left_padding):
     if isinstance(single, MLALatentCache):
         return BatchMLALatentCache(left_padding, single.group_size, single.latent_bits)
-    if isinstance(single, CacheList):
-        return CacheList(
+    up = _upstream()
+    if isinstance(single, up.CacheList):
+        return up.CacheList(
             *(
                 _as_batch(s, c, left_padding)
                 for s, c in zip(single.caches, converted.caches)

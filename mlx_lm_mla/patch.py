@@ -11,16 +11,8 @@ import logging
 import sys
 import warnings
 
-import mlx_lm
-
+from . import guards, hooks
 from .cache import BatchMLALatentCache, MLALatentCache
-from .guards import check_cache_file
-from .hooks import (
-    DefaultLatentCaches,
-    batch_cache_hook,
-    candidate_model_types,
-    make_cache_hook,
-)
 
 # Tested range of mlx-lm: [low, high).
 SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))
@@ -30,6 +22,8 @@ _warned = False
 
 
 def mlx_lm_version():
+    import mlx_lm
+
     parts = []
     for piece in mlx_lm.__version__.split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
@@ -55,11 +49,47 @@ def _set(owner, name, value, label):
 
 def checked_load_hook(original):
     def load_prompt_cache(file_name, *args, **kwargs):
-        check_cache_file(file_name)
+        guards.check_cache_file(file_name)
         return original(file_name, *args, **kwargs)
 
     load_prompt_cache.mlx_lm_mla_original = original
     return load_prompt_cache
+
+
+def _install_reuse_guards(cache_module):
+    """Guards on the cross-request path, for every model type."""
+    store = getattr(cache_module, "LRUPromptCache", None)
+    trie = getattr(store(), "_trie", None) if store is not None else None
+    if all(hasattr(trie, f) for f in ("search", "get", "pop")):
+        _set(
+            store,
+            "fetch_nearest_cache",
+            guards.guarded_fetch(store.fetch_nearest_cache),
+            "mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache",
+        )
+        _set(
+            store,
+            "insert_cache",
+            guards.guarded_insert(store.insert_cache),
+            "mlx_lm.models.cache.LRUPromptCache.insert_cache",
+        )
+    server = importlib.import_module("mlx_lm.server")
+    generator = getattr(server, "ResponseGenerator", None)
+    if all(
+        callable(getattr(generator, f, None)) for f in ("_generate", "_next_request")
+    ):
+        _set(
+            generator,
+            "_next_request",
+            guards.tracked_next_request(generator._next_request),
+            "mlx_lm.server.ResponseGenerator._next_request",
+        )
+        _set(
+            generator,
+            "_generate",
+            guards.supervised_generate(generator._generate),
+            "mlx_lm.server.ResponseGenerator._generate",
+        )
 
 
 def install():
@@ -69,6 +99,9 @@ def install():
         List[str]: what is patched, e.g. ``mlx_lm.models.deepseek_v3.Model.make_cache``.
     """
     global _warned
+    # Importing mlx_lm may run the start-up hook, which calls install() first.
+    import mlx_lm
+
     if _applied:
         return installed()
     if not is_supported() and not _warned:
@@ -88,7 +121,7 @@ def install():
         for cls in (MLALatentCache, BatchMLALatentCache):
             _set(cache_module, cls.__name__, cls, f"mlx_lm.models.cache.{cls.__name__}")
 
-    for name in candidate_model_types():
+    for name in hooks.candidate_model_types():
         try:
             module = importlib.import_module(f"mlx_lm.models.{name}")
         except Exception as e:  # a model with optional dependencies
@@ -100,7 +133,11 @@ def install():
         current = getattr(cls, "make_cache", None)
         if hasattr(current, "mlx_lm_mla_original"):
             continue  # inherits a hooked make_cache
-        hook = DefaultLatentCaches() if current is None else make_cache_hook(current)
+        hook = (
+            hooks.DefaultLatentCaches()
+            if current is None
+            else hooks.make_cache_hook(current)
+        )
         _set(cls, "make_cache", hook, f"{module.__name__}.Model.make_cache")
 
     # Refuse truncated cache files before they are read.
@@ -108,8 +145,13 @@ def install():
     if callable(original_load):
         checked = checked_load_hook(original_load)
         for name, module in list(sys.modules.items()):
-            if name.startswith("mlx_lm") and getattr(module, "load_prompt_cache", None) is original_load:
+            if (
+                name.startswith("mlx_lm")
+                and getattr(module, "load_prompt_cache", None) is original_load
+            ):
                 _set(module, "load_prompt_cache", checked, f"{name}.load_prompt_cache")
+
+    _install_reuse_guards(cache_module)
 
     # mlx-lm 0.31 builds batch caches from a fixed list of types.
     generate = importlib.import_module("mlx_lm.generate")
@@ -117,7 +159,7 @@ def install():
         _set(
             generate,
             "_make_cache",
-            batch_cache_hook(generate._make_cache),
+            hooks.batch_cache_hook(generate._make_cache),
             "mlx_lm.generate._make_cache",
         )
     return installed()

@@ -60,7 +60,10 @@ def serve_requests(
         suffix = [(r * 13 + j) % vocab for j in range(2 if short else 4 + 6 * r)]
         prompt = prefix + suffix
         common = 0
-        while common < min(len(history), len(prompt) - 1) and history[common] == prompt[common]:
+        while (
+            common < min(len(history), len(prompt) - 1)
+            and history[common] == prompt[common]
+        ):
             common += 1
         trim_prompt_cache(cache, cache[0].offset - common)
         try:
@@ -121,7 +124,9 @@ def _table(stock, fixed):
         if key == "served":
             return f"{value} / {result['requests']}"
         if key == "bytes_per_token":
-            return "-" if value is None else f"{value:,.0f} at {result['measured_at']} tok"
+            return (
+                "-" if value is None else f"{value:,.0f} at {result['measured_at']} tok"
+            )
         return "-" if value is None else str(value)
 
     rows = [
