@@ -111,6 +111,11 @@ def cache_problem(caches, length):
         for key, leaf in tree_flatten(state):
             if not isinstance(leaf, (mx.array, int, float, str, type(None))):
                 return f"layer {i}: {name}.state[{key}] is a {type(leaf).__name__}"
+        # Only a quantized cache (one with bits) may keep lists of arrays.
+        for field in ("keys", "values"):
+            value = getattr(c, field, None)
+            if not hasattr(c, "bits") and not isinstance(value, (mx.array, type(None))):
+                return f"layer {i}: {name}.{field} is a {type(value).__name__}, not an array"
         offset = getattr(c, "offset", None)
         if isinstance(offset, int) and offset != length:
             return f"layer {i}: {name} holds {offset} tokens, expected {length}"
@@ -131,9 +136,8 @@ def guarded_fetch(original):
     def fetch_nearest_cache(self, model, tokens):
         # Evict any candidate entry that does not hold what its key says.
         found = self._trie.search(model, tokens)
-        for key in (found.exact, found.longer, found.shorter):
-            if key is None:
-                continue
+        keys = {tuple(k) for k in (found.exact, found.longer, found.shorter) if k is not None}
+        for key in map(list, keys):
             entry = self._trie.get(model, key)
             problem = cache_problem(entry.prompt_cache, len(key))
             if problem:

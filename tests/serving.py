@@ -1,0 +1,141 @@
+"""A real mlx_lm.server process on loopback, and a small client for it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from mlx_lm_mla import tiny
+
+SYSTEM = (
+    "You are a careful assistant that reasons step by step about code. "
+    "Answer briefly and keep every answer on topic. " * 3
+)
+
+
+def save_served_model(path):
+    """The report's set-up: a tiny GLM-4.7-Flash with 6-bit weights. The rope
+    width is 64 so stock KV quantization (group 64) reaches the model code."""
+    return tiny.save_model(
+        path, "glm4_moe_lite", quantize_bits=6, kv_lora_rank=128, qk_rope_head_dim=64
+    )
+
+
+def server_supports(flag):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm.server", "--help"], capture_output=True, text=True
+    )
+    return flag in out.stdout
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m mlx_lm.server`` started on 127.0.0.1 with the given flags;
+    the package activates through its start-up hook unless disabled."""
+
+    def __init__(self, model_path, *flags, disabled=False, env=None, log=None):
+        self.port = free_port()
+        environ = dict(os.environ, **(env or {}))
+        environ.pop("MLX_LM_MLA_DISABLE", None)
+        if disabled:
+            environ["MLX_LM_MLA_DISABLE"] = "1"
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_path)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
+        self.log = open(log or os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait()
+
+    def _wait(self, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.2)
+        raise TimeoutError("server did not start")
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def chat(self, user, max_tokens=200, stream=False, timeout=120, **extra):
+        """One /v1/chat/completions request. Returns (text, usage) or raises
+        RequestFailed with what the server said."""
+        body = {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+            **extra,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                raw = response.read().decode()
+        except urllib.error.HTTPError as e:
+            raise RequestFailed(f"HTTP {e.code}: {e.read().decode()[:300]}") from None
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            raise RequestFailed(f"connection: {e}") from None
+        return _parse(raw, stream)
+
+
+class RequestFailed(Exception):
+    pass
+
+
+def _parse(raw, stream):
+    if not stream:
+        data = json.loads(raw)
+        if "error" in data:
+            raise RequestFailed(str(data["error"]))
+        return data["choices"][0]["message"]["content"], data.get("usage", {})
+    text, usage = [], {}
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[6:])
+        if "error" in data:
+            raise RequestFailed(str(data["error"]))
+        for choice in data.get("choices", []):
+            text.append(choice.get("delta", {}).get("content") or "")
+        usage = data.get("usage") or usage
+    if not usage and not text:
+        raise RequestFailed(f"empty stream: {raw[:300]}")
+    return "".join(text), usage
+
+
+def cached_tokens(usage):
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def questions(n):
+    """Distinct user turns after the shared system prompt."""
+    return [f"Question {i}: what does function f{i * 7 % 13}(x) return for x = {i}?" for i in range(n)]

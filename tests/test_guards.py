@@ -1,0 +1,79 @@
+"""Guards on the cross-request path (LRUPromptCache), for any model type."""
+
+import mlx.core as mx
+import mlx_lm.models.cache as cache_module
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from mlx_lm_mla import MLALatentCache
+from mlx_lm_mla.guards import cache_problem
+
+TOKENS = list(range(10, 30))
+
+
+def kv_cache(n):
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, n, 8)), mx.zeros((1, 2, n, 8)))
+    return [c]
+
+
+def latent_cache(n):
+    c = MLALatentCache()
+    c.update_and_fetch(mx.zeros((1, 1, n, 64)), mx.zeros((1, 1, n, 16)))
+    return [c]
+
+
+def test_exact_hit_leaves_one_token_to_process(installed):
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS, latent_cache(len(TOKENS)))
+    cache, rest = store.fetch_nearest_cache("m", TOKENS)
+    assert rest == TOKENS[-1:] and cache[0].offset == len(TOKENS) - 1
+
+
+def test_exact_hit_on_a_cache_that_cannot_trim_starts_fresh(installed):
+    store = cache_module.LRUPromptCache()
+    state = ArraysCache(size=1)
+    state[0] = mx.zeros((1, 4))
+    store.insert_cache("m", TOKENS, [state])
+    cache, rest = store.fetch_nearest_cache("m", TOKENS)
+    assert cache is None and rest == TOKENS
+
+
+def test_upstream_exact_hit_gives_an_empty_remainder(stock):
+    # what the guard prevents: mlx_lm.server's generation thread dies on this
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS, kv_cache(len(TOKENS)))
+    assert store.fetch_nearest_cache("m", TOKENS)[1] == []
+
+
+def test_entry_that_does_not_hold_its_key_is_evicted(installed, caplog):
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS[:10], latent_cache(10))
+    store._trie.get("m", TOKENS[:10]).prompt_cache[0].trim(3)  # damaged in place
+    cache, rest = store.fetch_nearest_cache("m", TOKENS)
+    assert cache is None and rest == TOKENS
+    assert len(store) == 0 and store.nbytes == 0
+    assert "evicted a bad prompt cache entry: layer 0: MLALatentCache holds 7 tokens, expected 10" in caplog.text
+
+
+def test_a_partial_cache_is_never_stored(installed, caplog):
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS, kv_cache(len(TOKENS) - 4))
+    assert len(store) == 0
+    assert "refused to store a prompt cache" in caplog.text
+
+
+def test_a_shorter_entry_is_reused_with_the_rest_to_process(installed):
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS[:12], latent_cache(12))
+    cache, rest = store.fetch_nearest_cache("m", TOKENS)
+    assert rest == TOKENS[12:] and cache[0].offset == 12
+
+
+def test_cache_problem_names_a_list_where_an_array_belongs():
+    c = kv_cache(3)[0]
+    c.keys = [c.keys, c.keys, c.keys]  # the shape a half-done quantization leaves
+    assert cache_problem([c], 3) == "layer 0: KVCache.keys is a list, not an array"
+
+
+def test_cache_problem_accepts_a_good_cache(installed):
+    assert cache_problem(latent_cache(5), 5) is None
