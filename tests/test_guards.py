@@ -72,7 +72,9 @@ def test_a_shorter_entry_is_reused_with_the_rest_to_process(installed):
 def test_cache_problem_names_a_list_where_an_array_belongs():
     c = kv_cache(3)[0]
     c.keys = [c.keys, c.keys, c.keys]  # the shape a half-done quantization leaves
-    assert cache_problem([c], 3) == "layer 0: KVCache.keys is a list, not an array"
+    problem = cache_problem([c], 3)
+    # mlx-lm 0.31's KVCache.state already trips over the list; 0.32's does not
+    assert problem.startswith("layer 0: KVCache.") and "list" in problem
 
 
 def test_cache_problem_accepts_a_good_cache(installed):
