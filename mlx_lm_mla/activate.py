@@ -6,6 +6,11 @@ mlx or mlx-lm import happens then. When ``mlx_lm`` finishes importing, the
 hook calls ``mlx_lm_mla.install()``. So ``python -m mlx_lm.server``,
 ``mlx_lm.generate`` and servers that import ``mlx_lm`` get the fix with no
 change to their code. ``MLX_LM_MLA_DISABLE=1`` turns it off.
+
+``python -m mlx_lm.server`` needs one more step: runpy would execute the
+server's source as ``__main__``, a copy of the module that install() never
+sees, so for that one module the hook hands runpy code that imports
+``mlx_lm.server`` and calls its ``main()``.
 """
 
 import os
@@ -13,6 +18,10 @@ import sys
 import warnings
 
 TARGET = "mlx_lm"
+# ``python -m mlx_lm.server`` runs the server's code as __main__, a second copy
+# whose classes install() cannot reach; the hook runs the imported module instead.
+SERVER = "mlx_lm.server"
+RUN_SERVER = "import mlx_lm_mla.activate as a; a.run_server()"
 
 
 def disabled() -> bool:
@@ -33,18 +42,32 @@ def _activate():
         warnings.warn(f"mlx-lm-mla could not activate: {e!r}", RuntimeWarning)
 
 
+def run_server():
+    import mlx_lm.server
+
+    mlx_lm.server.main()
+
+
 class _Loader:
     """Runs the real loader, then activates. Anything else goes to the real one."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, name):
         self._loader = loader
+        self._name = name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _activate()
+        if self._name == TARGET:
+            _activate()
+
+    def get_code(self, name):
+        # Only runpy asks for the code of mlx_lm.server (imports use exec_module).
+        if name == SERVER:
+            return compile(RUN_SERVER, "<mlx-lm-mla: python -m mlx_lm.server>", "exec")
+        return self._loader.get_code(name)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -53,7 +76,7 @@ class _Loader:
 class _AfterImport:
     # A plain meta path finder: importlib.abc would pull in importlib.resources.
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in (TARGET, SERVER):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -64,7 +87,7 @@ class _AfterImport:
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _Loader(spec.loader)
+            spec.loader = _Loader(spec.loader, name)
         return spec
 
 

@@ -136,7 +136,11 @@ def guarded_fetch(original):
     def fetch_nearest_cache(self, model, tokens):
         # Evict any candidate entry that does not hold what its key says.
         found = self._trie.search(model, tokens)
-        keys = {tuple(k) for k in (found.exact, found.longer, found.shorter) if k is not None}
+        keys = {
+            tuple(k)
+            for k in (found.exact, found.longer, found.shorter)
+            if k is not None
+        }
         for key in map(list, keys):
             entry = self._trie.get(model, key)
             problem = cache_problem(entry.prompt_cache, len(key))
@@ -231,3 +235,38 @@ def supervised_generate(original):
 
     _generate.mlx_lm_mla_original = original
     return _generate
+
+
+def answered_completion(original):
+    """``APIHandler.handle_completion`` that answers a request which failed
+    during generation. Upstream lets the exception close the connection, so
+    the client sees no reason; here it gets HTTP 500 with the error, or an
+    ``error`` event when streaming (the headers went out already)."""
+
+    def handle_completion(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as e:
+            logger.warning("mlx-lm-mla: request failed: %s: %s", type(e).__name__, e)
+            error = json.dumps(
+                {
+                    "error": {
+                        "message": f"{type(e).__name__}: {e}",
+                        "type": "server_error",
+                    }
+                }
+            )
+            try:
+                if getattr(self, "stream", False):
+                    self.wfile.write(f"data: {error}\n\n".encode())
+                else:
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    self.wfile.write(error.encode())
+                self.wfile.flush()
+            except OSError:
+                pass  # the client is gone
+
+    handle_completion.mlx_lm_mla_original = original
+    return handle_completion

@@ -11,7 +11,7 @@ import logging
 import sys
 import warnings
 
-from . import guards, hooks
+from . import faults, guards, hooks
 from .cache import BatchMLALatentCache, MLALatentCache
 
 # Tested range of mlx-lm: [low, high).
@@ -56,6 +56,36 @@ def checked_load_hook(original):
     return load_prompt_cache
 
 
+def _install_faults():
+    """Test mode: MLX_LM_MLA_FAULT=point:n (see faults.py)."""
+    trigger = faults.make_trigger()
+    if trigger is None:
+        return
+    for cls in (MLALatentCache, BatchMLALatentCache):
+        for name in (
+            "update_and_fetch",
+            "trim",
+            "extract",
+            "filter",
+            "extend",
+            "to_quantized",
+        ):
+            if name in vars(cls):
+                _set(
+                    cls,
+                    name,
+                    faults.wrap(vars(cls)[name], name, trigger),
+                    f"fault:{cls.__name__}.{name}",
+                )
+    merge = vars(BatchMLALatentCache)["merge"].__func__
+    _set(
+        BatchMLALatentCache,
+        "merge",
+        classmethod(faults.wrap(merge, "merge", trigger)),
+        "fault:BatchMLALatentCache.merge",
+    )
+
+
 def _install_reuse_guards(cache_module):
     """Guards on the cross-request path, for every model type."""
     store = getattr(cache_module, "LRUPromptCache", None)
@@ -74,6 +104,14 @@ def _install_reuse_guards(cache_module):
             "mlx_lm.models.cache.LRUPromptCache.insert_cache",
         )
     server = importlib.import_module("mlx_lm.server")
+    handler = getattr(server, "APIHandler", None)
+    if callable(getattr(handler, "handle_completion", None)):
+        _set(
+            handler,
+            "handle_completion",
+            guards.answered_completion(handler.handle_completion),
+            "mlx_lm.server.APIHandler.handle_completion",
+        )
     generator = getattr(server, "ResponseGenerator", None)
     if all(
         callable(getattr(generator, f, None)) for f in ("_generate", "_next_request")
@@ -152,6 +190,8 @@ def install():
                 _set(module, "load_prompt_cache", checked, f"{name}.load_prompt_cache")
 
     _install_reuse_guards(cache_module)
+
+    _install_faults()
 
     # mlx-lm 0.31 builds batch caches from a fixed list of types.
     generate = importlib.import_module("mlx_lm.generate")
