@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import struct
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,43 @@ def check_cache_file(path):
 
 # --- the prompt cache shared across requests (LRUPromptCache) ---------------
 
+# "cache_prompt": false (LM Studio clients send it): the request neither
+# reuses nor stores a prompt cache. The handler tags the request, the
+# generation thread notes the request it took last, and the prompt cache
+# looks at that note; prompts not to store are kept until their final insert.
+_taken = threading.local()
+_no_store = []
+
+
+def tag_request(request, body):
+    if isinstance(body, dict) and body.get("cache_prompt", True) is False:
+        try:
+            request.mlx_lm_mla_cache_prompt = False
+        except AttributeError:
+            pass
+
+
+def wants_prompt_cache():
+    request = getattr(_taken, "request", None)
+    return getattr(request, "mlx_lm_mla_cache_prompt", True) is not False
+
+
+def _remember_no_store(tokens):
+    _no_store.append(list(tokens))
+    del _no_store[:-64]  # a cancelled request never sends its final insert
+
+
+def _is_no_store(tokens, final):
+    # The request's own caches: its prompt's segments (a prefix of the
+    # prompt) and its final one (the prompt and what it generated).
+    for prompt in _no_store:
+        n = min(len(prompt), len(tokens))
+        if tokens[:n] == prompt[:n]:
+            if final:
+                _no_store.remove(prompt)
+            return True
+    return False
+
 
 def _leaves(caches):
     for c in caches:
@@ -134,6 +172,9 @@ def guarded_fetch(original):
     and never an empty remainder."""
 
     def fetch_nearest_cache(self, model, tokens):
+        if not wants_prompt_cache():
+            _remember_no_store(tokens)
+            return None, tokens
         # Evict any candidate entry that does not hold what its key says.
         found = self._trie.search(model, tokens)
         keys = {
@@ -172,6 +213,10 @@ def guarded_insert(original):
     hold exactly the tokens of its key (a partial or broken one)."""
 
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
+        if _is_no_store(
+            tokens, final=kwargs.get("cache_type", "assistant") == "assistant"
+        ):
+            return
         problem = cache_problem(prompt_cache, len(tokens))
         if problem:
             logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)
@@ -196,6 +241,7 @@ def tracked_next_request(original):
     def _next_request(self, timeout=None):
         request = original(self, timeout)
         if request is not None:
+            _taken.request = request[1]
             rqueue, open_requests = request[0], _inflight(self)
             open_requests.add(rqueue)
             put = rqueue.put
@@ -237,13 +283,16 @@ def supervised_generate(original):
     return _generate
 
 
-def answered_completion(original):
-    """``APIHandler.handle_completion`` that answers a request which failed
-    during generation. Upstream lets the exception close the connection, so
-    the client sees no reason; here it gets HTTP 500 with the error, or an
-    ``error`` event when streaming (the headers went out already)."""
+def guarded_completion(original):
+    """``APIHandler.handle_completion`` that honours ``"cache_prompt": false``
+    and answers a request which failed during generation. Upstream lets the
+    exception close the connection, so the client sees no reason; here it
+    gets HTTP 500 with the error, or an ``error`` event when streaming (the
+    headers went out already)."""
 
     def handle_completion(self, *args, **kwargs):
+        if args:
+            tag_request(args[0], getattr(self, "body", None))
         try:
             return original(self, *args, **kwargs)
         except Exception as e:

@@ -109,7 +109,7 @@ def _install_reuse_guards(cache_module):
         _set(
             handler,
             "handle_completion",
-            guards.answered_completion(handler.handle_completion),
+            guards.guarded_completion(handler.handle_completion),
             "mlx_lm.server.APIHandler.handle_completion",
         )
     generator = getattr(server, "ResponseGenerator", None)

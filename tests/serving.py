@@ -80,6 +80,16 @@ class Server:
     def __exit__(self, *exc):
         self.close()
 
+    def abandon_stream(self, user, max_tokens, after_bytes):
+        """Starts a streamed request and hangs up after reading a little."""
+        body = {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        _abandon(self.port, body, after_bytes)
+
     def chat(self, user, max_tokens=200, stream=False, timeout=120, **extra):
         """One /v1/chat/completions request. Returns (text, usage) or raises
         RequestFailed with what the server said."""
@@ -105,6 +115,22 @@ class Server:
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             raise RequestFailed(f"connection: {e}") from None
         return _parse(raw, stream)
+
+
+def _abandon(port, body, after_bytes):
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode() + data)
+        received = 0
+        while received < after_bytes:
+            chunk = sock.recv(after_bytes - received)
+            if not chunk:
+                break
+            received += len(chunk)
 
 
 class RequestFailed(Exception):

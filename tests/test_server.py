@@ -82,3 +82,26 @@ def test_four_concurrent_clients_are_all_served(bits, model_path):
         for t in threads:
             t.join()
     assert errors == [] and len(served) == 16
+
+
+def test_cache_prompt_false_neither_reuses_nor_stores(model_path):
+    q0, q1 = "Alpha: name three sorting algorithms.", "Zulu: what is a hash map?"
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        server.chat(q0, max_tokens=20)
+        _, skipped = server.chat(q1, max_tokens=20, cache_prompt=False)
+        _, after = server.chat(q1, max_tokens=20)
+        _, again = server.chat(q1, max_tokens=20)
+    assert cached_tokens(skipped) == 0
+    # had the skipped request been stored, `after` would reuse all of it
+    assert 0 < cached_tokens(after) < cached_tokens(again)
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_nothing_corrupted(model_path):
+    checks = questions(12)[-3:]
+    with Server(model_path, "--decode-concurrency", 4, "--prompt-cache-size", 0) as server:
+        expected = [server.chat(q, max_tokens=40)[0] for q in checks]
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        for q in questions(3):
+            server.abandon_stream(q, max_tokens=400, after_bytes=300)
+        got = [server.chat(q, max_tokens=40)[0] for q in checks]
+    assert got == expected
