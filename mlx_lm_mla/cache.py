@@ -15,6 +15,8 @@ here know the two tensors apart:
   same object, so every holder of a reference sees the quantized cache;
 - the RoPE key stays in the model dtype (it is small, and position
   information is what 4-bit rounding hurts most);
+- with ``quantize_after``, each sequence is quantized once it holds that
+  many tokens, so a batch can hold quantized and exact rows side by side;
 - batch ``trim`` is correct per row.
 
 The quantized cache has no ``bits`` attribute on purpose: models switch to
@@ -112,10 +114,30 @@ def _roll_rows(x, shifts):
     return mx.take_along_axis(x, idx[:, None, :, None], axis=2)
 
 
-class _LatentStore:
-    """The arrays an MLA cache holds along the sequence axis, plain or
-    quantized. Shared by the single and the batch cache so both store, grow,
-    slice and quantize the same way."""
+def _config(group_size, bits, quantize_after):
+    # An int array, not scalars, so both mlx-lm save formats (0.31 and 0.32)
+    # can store it.
+    after = -1 if quantize_after is None else quantize_after
+    return mx.array([group_size, bits or 0, after], dtype=mx.int32)
+
+
+def _read_config(name, config):
+    if not isinstance(config, mx.array) or config.shape != (3,):
+        raise ValueError(
+            f"{name} state: the first entry must be the config array "
+            f"[group_size, bits, quantize_after], got {_shape(config)}; this is "
+            f"not a state saved by {name}"
+        )
+    group_size, bits, after = (int(v) for v in config.tolist())
+    bits = bits or None
+    if bits is not None:
+        _check_quant_params(name, group_size, bits)
+    return group_size, bits, (None if after < 0 else after)
+
+
+class _Store:
+    """The arrays that hold latents and RoPE keys along the sequence axis, in
+    one precision: the latent plain, or packed with scales and biases."""
 
     step = 256
 
@@ -139,7 +161,9 @@ class _LatentStore:
         return [self.keys, self.values]
 
     def _set_parts(self, parts):
-        if self.quantized:
+        if not parts:
+            self.keys = self.values = self.scales = self.biases = None
+        elif self.quantized:
             self.keys, self.scales, self.biases, self.values = parts
         else:
             self.keys, self.values = parts
@@ -155,9 +179,9 @@ class _LatentStore:
         new = self._encode(latent, rope)
         if self.keys is None or end > self.values.shape[2]:
             capacity = (end + self.step - 1) // self.step * self.step
-            old = [p[..., :start, :] for p in self._parts()]
-            if not old:
-                old = [mx.zeros((*x.shape[:2], 0, x.shape[3]), x.dtype) for x in new]
+            old = [p[..., :start, :] for p in self._parts()] or [
+                mx.zeros((*x.shape[:2], start, x.shape[3]), x.dtype) for x in new
+            ]
             self._set_parts(
                 [
                     mx.concatenate(
@@ -189,101 +213,32 @@ class _LatentStore:
             latent = self.keys[..., :end, :]
         return latent, self.values[..., :end, :]
 
-    def _quantize_store(self, name, group_size, bits, end):
-        """Quantizes the stored latent in place. A cache that is already
-        quantized stays as it is: requantizing would only add error."""
+    def _quantize_parts(self, parts, group_size, bits):
+        """Parts of this store's precision as parts quantized with bits."""
+        if self.quantized or not parts:
+            return parts
+        return _quantize(parts[0], group_size, bits) + [parts[1]]
+
+    def _specs(self):
+        """(width of the latent, its dtype), (width of the RoPE key, its dtype)."""
         if self.quantized:
-            return
-        width = self.keys.shape[-1] if self.keys is not None else None
-        _check_quant_params(name, group_size, bits, width)
-        if self.keys is not None:
-            packed = _quantize(self.keys[..., :end, :], group_size, bits)
-            self.keys, self.scales, self.biases = packed
-            self.values = self.values[..., :end, :]
-        self.group_size, self.latent_bits = group_size, bits
-
-    def _latent_spec(self):
-        if self.quantized:
-            return self.scales.shape[-1] * self.group_size, self.scales.dtype
-        return self.keys.shape[-1], self.keys.dtype
-
-    def _specs(self, group_size, bits):
-        """(width, dtype) of each stored part in the given quantization."""
-        width, dtype = self._latent_spec()
-        rope = (self.values.shape[-1], self.values.dtype)
-        if bits is None:
-            return [(width, dtype), rope]
-        groups = (width // group_size, dtype)
-        return [(width * bits // 32, mx.uint32), groups, groups, rope]
-
-    def _check_update(self, name, latent, rope, rows):
-        _check_pair(name, latent, rope, rows)
-        if self.quantized:
-            _check_quant_params(
-                name, self.group_size, self.latent_bits, latent.shape[-1]
-            )
-        if self.keys is None:
-            return
-        held = (self._latent_spec(), (self.values.shape[-1], self.values.dtype))
-        for field, x, (width, dtype) in zip(
-            ("latent", "rope key"), (latent, rope), held
-        ):
-            if x.shape[-1] != width or x.dtype != dtype:
-                raise ValueError(
-                    f"{name}.update_and_fetch: the {field} is {x.dtype} of "
-                    f"width {x.shape[-1]}, but the cache holds {dtype} of width {width}"
-                )
-
-    def _padded_parts(self, template, group_size, bits, length):
-        """This cache's rows in the given quantization, left padded to length.
-        Used to build batches without changing the caches they come from."""
-        n = self.size() if self.keys is not None else 0
-        if n == 0:
-            rows = self._rows()
-            parts = [
-                mx.zeros((rows, 1, 0, w), t)
-                for w, t in template._specs(group_size, bits)
-            ]
+            latent = (self.scales.shape[-1] * self.group_size, self.scales.dtype)
         else:
-            parts = self._state_parts(n)
-            if bits is not None and not self.quantized:
-                parts = _quantize(parts[0], group_size, bits) + [parts[1]]
-        return [_pad_seq(p, length - n) for p in parts]
+            latent = (self.keys.shape[-1], self.keys.dtype)
+        return latent, (self.values.shape[-1], self.values.dtype)
 
     @property
-    def nbytes(self):
+    def _store_nbytes(self):
         return sum(p.nbytes for p in self._parts())
 
-    def empty(self):
-        return self.keys is None
-
-    def is_trimmable(self):
-        return True
-
-    # The whole state is in ``state``; the config array carries the
-    # quantization so both mlx-lm save formats (0.31 and 0.32) can store it.
-    def _config(self):
-        return mx.array([self.group_size, self.latent_bits or 0], dtype=mx.int32)
-
-    def _state_parts(self, end):
-        return [p[..., :end, :] for p in self._parts()]
-
-    def _load_state_parts(self, name, config, parts):
-        if not isinstance(config, mx.array) or config.shape != (2,):
-            raise ValueError(
-                f"{name} state: the first entry must be the config array "
-                f"[group_size, bits], got {_shape(config)}; this is not a state "
-                f"saved by {name}"
-            )
-        group_size, bits = (int(v) for v in config.tolist())
-        bits = bits or None
-        if bits is not None:
-            _check_quant_params(name, group_size, bits)
-        expected = 0 if not parts else (4 if bits else 2)
+    def _load_parts(self, name, parts):
+        """Checks arrays read from a saved state and takes them."""
+        expected = 4 if self.quantized else 2
         if len(parts) != expected:
+            kind = "quantized" if self.quantized else "plain"
             raise ValueError(
-                f"{name} state: expected {4 if bits else 2} arrays for a "
-                f"{'quantized' if bits else 'plain'} latent cache, got {len(parts)}"
+                f"{name} state: expected {expected} arrays for a {kind} latent "
+                f"cache, got {len(parts)}"
             )
         for p in parts:
             if not isinstance(p, mx.array) or p.ndim != 4 or p.shape[1] != 1:
@@ -291,23 +246,53 @@ class _LatentStore:
                     f"{name} state: every array must have shape (B, 1, L, D), "
                     f"got {_shape(p)}"
                 )
-        if parts and len({p.shape[:3] for p in parts}) != 1:
+        if len({p.shape[:3] for p in parts}) != 1:
             raise ValueError(
                 f"{name} state: the arrays disagree on batch or length: "
                 f"{[_shape(p) for p in parts]}"
             )
-        if bits and parts:
+        if self.quantized:
             packed, scales, biases, _ = parts
             if packed.dtype != mx.uint32 or scales.shape != biases.shape:
                 raise ValueError(f"{name} state: the packed latent is malformed")
-            if packed.shape[-1] * 32 // bits != scales.shape[-1] * group_size:
+            if (
+                packed.shape[-1] * 32 // self.latent_bits
+                != scales.shape[-1] * self.group_size
+            ):
                 raise ValueError(
-                    f"{name} state: packed width {packed.shape[-1]} does not "
-                    f"match {scales.shape[-1]} groups of {group_size} at {bits} bits"
+                    f"{name} state: packed width {packed.shape[-1]} does not match "
+                    f"{scales.shape[-1]} groups of {self.group_size} at "
+                    f"{self.latent_bits} bits"
                 )
-        self._init_store(group_size, bits)
-        if parts:
-            self._set_parts(list(parts))
+        self._set_parts(list(parts))
+
+
+def _zero_parts(rows, length, specs, group_size, bits):
+    """Zero parts, plain (bits None) or quantized, for rows with no tokens."""
+    (width, dtype), (rope_width, rope_dtype) = specs
+    if bits is None:
+        shapes = [(width, dtype)]
+    else:
+        groups = width // group_size
+        shapes = [(width * bits // 32, mx.uint32), (groups, dtype), (groups, dtype)]
+    shapes.append((rope_width, rope_dtype))
+    return [mx.zeros((rows, 1, length, w), t) for w, t in shapes]
+
+
+def _check_widths(name, latent, rope, specs):
+    for field, x, (width, dtype) in zip(("latent", "rope key"), (latent, rope), specs):
+        if x.shape[-1] != width or x.dtype != dtype:
+            raise ValueError(
+                f"{name}.update_and_fetch: the {field} is {x.dtype} of width "
+                f"{x.shape[-1]}, but the cache holds {dtype} of width {width}"
+            )
+
+
+class _Protocol:
+    """What mlx-lm's cache protocol asks of every cache besides the data."""
+
+    def is_trimmable(self):
+        return True
 
     @property
     def meta_state(self):
@@ -325,37 +310,57 @@ class _LatentStore:
         return obj
 
 
-class MLALatentCache(_LatentStore):
+class MLALatentCache(_Store, _Protocol):
     """The cache of one MLA layer for one sequence (B is usually 1).
 
     Args:
         group_size (int): Group size for latent quantization. Default: ``64``.
-        bits (int, optional): Quantize the latent with this many bits from
-            the start. Default: ``None`` (model dtype until ``to_quantized``).
+        bits (int, optional): Quantize the latent with this many bits: from
+            the start, or once ``quantize_after`` tokens are held. Default:
+            ``None`` (model dtype until ``to_quantized``).
+        quantize_after (int, optional): The token count at which the latent
+            is quantized (like mlx-lm's ``quantized_kv_start``).
     """
 
-    def __init__(self, group_size: int = 64, bits: Optional[int] = None):
+    def __init__(
+        self,
+        group_size: int = 64,
+        bits: Optional[int] = None,
+        quantize_after: Optional[int] = None,
+    ):
         if bits is not None:
             _check_quant_params("MLALatentCache", group_size, bits)
-        self._init_store(group_size, bits)
+        self._init_store(group_size, bits if quantize_after is None else None)
+        self.quantize_bits = bits
+        self.quantize_after = quantize_after if bits is not None else None
         self.offset = 0
 
     def update_and_fetch(self, latent, rope):
-        self._check_update(
-            "MLALatentCache",
-            latent,
-            rope,
-            self._rows() if self.keys is not None else None,
+        name = "MLALatentCache"
+        _check_pair(
+            name, latent, rope, self.keys.shape[0] if self.keys is not None else None
         )
+        if self.quantize_after is not None and self.offset >= self.quantize_after:
+            self.to_quantized(self.group_size, self.quantize_bits)
+        if self.quantized:
+            _check_quant_params(
+                name, self.group_size, self.latent_bits, latent.shape[-1]
+            )
+        if self.keys is not None:
+            _check_widths(name, latent, rope, self._specs())
         self._write(self.offset, latent, rope)
         self.offset += latent.shape[2]
         return self._read(self.offset)
 
-    def _rows(self):
-        return self.keys.shape[0] if self.keys is not None else 1
-
     def size(self):
         return self.offset
+
+    def empty(self):
+        return self.keys is None
+
+    @property
+    def nbytes(self):
+        return self._store_nbytes
 
     def trim(self, n):
         n = max(0, min(self.offset, n))
@@ -363,8 +368,17 @@ class MLALatentCache(_LatentStore):
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Quantizes the latent in place and returns ``self``. Idempotent."""
-        self._quantize_store("MLALatentCache", group_size, bits, self.offset)
+        """Quantizes the latent in place and returns ``self``. Idempotent: a
+        quantized cache stays as it is, since requantizing only adds error."""
+        if self.quantized:
+            return self
+        width = self.keys.shape[-1] if self.keys is not None else None
+        _check_quant_params("MLALatentCache", group_size, bits, width)
+        parts = [p[..., : self.offset, :] for p in self._parts()]
+        self.group_size, self.latent_bits = group_size, bits
+        self._set_parts(
+            _quantize(parts[0], group_size, bits) + [parts[1]] if parts else []
+        )
         return self
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
@@ -373,17 +387,40 @@ class MLALatentCache(_LatentStore):
             return None
         return _causal_mask(N, self.offset, window_size=window_size)
 
+    def keys_and_values(self):
+        """The latent and the RoPE key held, as arrays (like KVCache's)."""
+        return self._read(self.offset)
+
+    def _quant_setting(self):
+        bits = self.latent_bits or self.quantize_bits
+        return (self.group_size, bits) if bits is not None else None
+
     @property
     def state(self):
-        return [self._config()] + self._state_parts(self.offset)
+        config = _config(
+            self.group_size, self.latent_bits or self.quantize_bits, self.quantize_after
+        )
+        return [config, mx.array(int(self.quantized))] + [
+            p[..., : self.offset, :] for p in self._parts()
+        ]
 
     @state.setter
     def state(self, v):
-        if not isinstance(v, (list, tuple)) or not v:
+        name = "MLALatentCache"
+        if not isinstance(v, (list, tuple)) or len(v) < 2:
             raise ValueError(
-                f"MLALatentCache state must be a non-empty list, got {_shape(v)}"
+                f"{name} state must be a list of [config, quantized, arrays...], got {_shape(v)}"
             )
-        self._load_state_parts("MLALatentCache", v[0], list(v[1:]))
+        group_size, bits, after = _read_config(name, v[0])
+        quantized = bool(int(v[1].item())) if isinstance(v[1], mx.array) else None
+        if quantized is None or (quantized and bits is None):
+            raise ValueError(
+                f"{name} state: the second entry must be the quantized flag"
+            )
+        self.__init__(group_size, bits, after)
+        self.latent_bits = bits if quantized else None
+        if len(v) > 2:
+            self._load_parts(name, list(v[2:]))
         self.offset = self.values.shape[2] if self.values is not None else 0
 
     @classmethod
@@ -391,47 +428,195 @@ class MLALatentCache(_LatentStore):
         return BatchMLALatentCache.merge(caches)
 
 
-class BatchMLALatentCache(_LatentStore):
+class _Rows(_Store):
+    """The rows of a batch that share one precision."""
+
+    def __init__(self, group_size, bits, count=0):
+        self._init_store(group_size, bits)
+        self.count = count
+
+
+class BatchMLALatentCache(_Protocol):
     """The cache of one MLA layer for a batch of sequences.
 
     Rows are left padded, so every row ends at the same index; ``offset`` is
-    each row's own length, which is what RoPE needs.
+    each row's own length, which is what RoPE needs. Each row is plain or
+    quantized on its own: exact rows and quantized rows live in two stores
+    that share the sequence layout.
 
     Args:
         left_padding (List[int]): Padding before each row's first token.
         group_size (int): Group size for latent quantization. Default: ``64``.
-        bits (int, optional): Quantize the latent from the start.
+        bits (int, optional): Quantize rows with this many bits: from the
+            start, or once a row holds ``quantize_after`` tokens.
+        quantize_after (int, optional): Per-row quantization threshold.
     """
 
+    step = 256
+
     def __init__(
-        self, left_padding: List[int], group_size: int = 64, bits: Optional[int] = None
+        self,
+        left_padding: List[int],
+        group_size: int = 64,
+        bits: Optional[int] = None,
+        quantize_after: Optional[int] = None,
     ):
         if bits is not None:
             _check_quant_params("BatchMLALatentCache", group_size, bits)
-        self._init_store(group_size, bits)
+        self.group_size, self.latent_bits = group_size, bits
+        self.quantize_after = quantize_after if bits is not None else None
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
+        start_quantized = bits is not None and quantize_after is None
+        self._in_quant = [start_quantized] * len(left_padding)
+        self._groups = (_Rows(group_size, None), _Rows(group_size, bits))
+        self._groups[start_quantized].count = len(left_padding)
         self._idx = 0
         self._right_padding = None
+
+    # --- rows and their stores ---------------------------------------------
 
     @property
     def offset(self):
         return self._idx - self.left_padding
 
+    @property
+    def quantized(self):
+        """True when every row is quantized."""
+        return self.latent_bits is not None and all(self._in_quant)
+
+    def _rows(self):
+        return len(self._in_quant)
+
+    # Models tie work to the cache with ``cache.keys = mx.depends(cache.keys,
+    # ...)`` (DeepSeek-V3.2's indexer, pipeline parallel): keys and values
+    # are those of the store that holds the first rows.
+    def _primary(self):
+        return next((g for g in self._groups if g.keys is not None and g.count), None)
+
+    @property
+    def keys(self):
+        g = self._primary()
+        return g.keys if g is not None else None
+
+    @keys.setter
+    def keys(self, value):
+        self._primary().keys = value
+
+    @property
+    def values(self):
+        g = self._primary()
+        return g.values if g is not None else None
+
+    @values.setter
+    def values(self, value):
+        self._primary().values = value
+
+    def _members(self, quantized):
+        return [b for b, q in enumerate(self._in_quant) if q == quantized]
+
+    def _local(self, b):
+        """Row b's index inside its store."""
+        q = self._in_quant[b]
+        return sum(1 for x in self._in_quant[:b] if x == q)
+
+    def _template(self):
+        """The (latent, rope) specs of the data held, or None when empty."""
+        for g in self._groups:
+            if g.keys is not None:
+                return g._specs()
+        return None
+
+    def _row_parts(self, b, quantized):
+        """Row b's parts over [0, _idx), in the given precision."""
+        g = self._groups[self._in_quant[b]]
+        if g.keys is None:
+            bits = self.latent_bits if quantized else None
+            return _zero_parts(1, self._idx, self._template(), self.group_size, bits)
+        i = self._local(b)
+        parts = [p[i : i + 1, :, : self._idx] for p in g._parts()]
+        if quantized:
+            parts = g._quantize_parts(parts, self.group_size, self.latent_bits)
+        return parts
+
+    def _assemble(self, rows, in_quant, length):
+        """Sets both stores from per-row parts (in batch order)."""
+        self._in_quant = list(in_quant)
+        for q, g in enumerate(self._groups):
+            mine = [r for r, flag in zip(rows, in_quant) if flag == q]
+            g.count = len(mine)
+            g._set_parts(
+                [mx.concatenate(ps, axis=0) for ps in zip(*mine)] if mine else []
+            )
+            if mine and length > g.values.shape[2]:
+                g._set_parts([_pad_seq(p, 0, length - p.shape[2]) for p in g._parts()])
+
+    def _regroup(self, in_quant):
+        """Moves rows between the stores (plain rows become quantized)."""
+        if self._template() is None:
+            self._in_quant = list(in_quant)
+            for q, g in enumerate(self._groups):
+                g.count = sum(1 for x in in_quant if x == q)
+            return
+        rows = [self._row_parts(b, q) for b, q in enumerate(in_quant)]
+        self._assemble(rows, in_quant, self._idx)
+
+    # --- the cache protocol ------------------------------------------------
+
     def update_and_fetch(self, latent, rope):
-        self._check_update("BatchMLALatentCache", latent, rope, self._rows())
-        self._write(self._idx, latent, rope)
+        name = "BatchMLALatentCache"
+        _check_pair(name, latent, rope, self._rows())
+        if self.latent_bits is not None:
+            _check_quant_params(
+                name, self.group_size, self.latent_bits, latent.shape[-1]
+            )
+        specs = self._template()
+        if specs is not None:
+            _check_widths(name, latent, rope, specs)
+        if self.quantize_after is not None:
+            crossed = [
+                q or n >= self.quantize_after
+                for q, n in zip(self._in_quant, self.offset.tolist())
+            ]
+            if crossed != self._in_quant:
+                self._regroup(crossed)
+        mixed = 0 < sum(self._in_quant) < self._rows()
+        for q, g in enumerate(self._groups):
+            if g.count == 0:
+                continue
+            rows = mx.array(self._members(q)) if mixed else slice(None)
+            g._write(self._idx, latent[rows], rope[rows])
         self._idx += latent.shape[2]
-        return self._read(self._idx)
+        return self._read()
+
+    def _read(self):
+        if not (0 < sum(self._in_quant) < self._rows()):
+            return self._groups[self._in_quant[0] if self._in_quant else 0]._read(
+                self._idx
+            )
+        plain, quant = (g._read(self._idx) for g in self._groups)
+        # Back to batch order: plain rows first in the concatenation.
+        order, counts = [], [0, 0]
+        for q in self._in_quant:
+            order.append(counts[q] + (self._groups[0].count if q else 0))
+            counts[q] += 1
+        order = mx.array(order)
+        return tuple(
+            mx.concatenate([a, b], axis=0)[order] for a, b in zip(plain, quant)
+        )
 
     def size(self):
         return self._idx
 
-    def _rows(self):
-        return self.left_padding.shape[0]
+    def empty(self):
+        return self._template() is None
+
+    @property
+    def nbytes(self):
+        return sum(g._store_nbytes for g in self._groups)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None:
-            if self.keys is not None:
+            if not self.empty():
                 raise ValueError(
                     "BatchMLALatentCache.prepare: left padding can only be added "
                     "to an empty cache"
@@ -446,9 +631,12 @@ class BatchMLALatentCache(_LatentStore):
         if self._right_padding is None:
             return
         shifts = self._right_padding
-        self._set_parts(
-            [_roll_rows(p[..., : self._idx, :], shifts) for p in self._parts()]
-        )
+        for q, g in enumerate(self._groups):
+            if g.keys is not None and g.count:
+                mine = shifts[mx.array(self._members(q))]
+                g._set_parts(
+                    [_roll_rows(p[..., : self._idx, :], mine) for p in g._parts()]
+                )
         self.left_padding = self.left_padding + shifts
         self._right_padding = None
 
@@ -462,8 +650,15 @@ class BatchMLALatentCache(_LatentStore):
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Quantizes the latent of every row in place and returns ``self``."""
-        self._quantize_store("BatchMLALatentCache", group_size, bits, self._idx)
+        """Quantizes every row in place and returns ``self``. Rows already
+        quantized stay as they are."""
+        if self.latent_bits is None:
+            specs = self._template()
+            width = specs[0][0] if specs else None
+            _check_quant_params("BatchMLALatentCache", group_size, bits, width)
+            self._set_settings(group_size, bits, self.quantize_after)
+        if not all(self._in_quant):
+            self._regroup([True] * self._rows())
         return self
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
@@ -471,15 +666,21 @@ class BatchMLALatentCache(_LatentStore):
 
     def filter(self, batch_indices):
         """Keeps only the given rows, then drops padding no row needs."""
+        batch_indices = list(batch_indices)
+        in_quant = [self._in_quant[b] for b in batch_indices]
+        if self._template() is None:
+            self._regroup(in_quant)
+        else:
+            rows = [self._row_parts(b, self._in_quant[b]) for b in batch_indices]
+            self._assemble(rows, in_quant, self._idx)
         idx = mx.array(batch_indices, dtype=mx.int32)
-        self._set_parts([p[idx] for p in self._parts()])
         self.left_padding = self.left_padding[idx]
         if self._right_padding is not None:
             self._right_padding = self._right_padding[idx]
-        shift = min(self.left_padding.tolist()) if len(batch_indices) else 0
-        shift = min(shift, self._idx)
+        shift = min(min(self.left_padding.tolist(), default=0), self._idx)
         if shift > 0:
-            self._set_parts([p[..., shift:, :] for p in self._parts()])
+            for g in self._groups:
+                g._set_parts([p[..., shift:, :] for p in g._parts()])
             self._idx -= shift
             self.left_padding = self.left_padding - shift
 
@@ -490,106 +691,179 @@ class BatchMLALatentCache(_LatentStore):
                 "BatchMLALatentCache.extend: expected a BatchMLALatentCache, "
                 f"got {type(other).__name__}"
             )
-        group_size, bits = _common_quantization(
+        group_size, bits, after = _batch_settings(
             [self, other], "BatchMLALatentCache.extend"
         )
         idx = max(self._idx, other._idx)
-        template = next((c for c in (self, other) if c.keys is not None), None)
+        template = self._template() or other._template()
+        rows = []
         if template is not None:
-            rows = [
-                c._padded_parts(template, group_size, bits, idx) for c in (self, other)
-            ]
-            self.group_size, self.latent_bits = group_size, bits
-            self._set_parts([mx.concatenate(ps, axis=0) for ps in zip(*rows)])
+            for c in (self, other):
+                for b, q in enumerate(c._in_quant):
+                    if c._template() is None:
+                        parts = _zero_parts(
+                            1, c._idx, template, group_size, bits if q else None
+                        )
+                    else:
+                        parts = c._row_parts(b, q)
+                    rows.append([_pad_seq(p, idx - c._idx) for p in parts])
+        in_quant = self._in_quant + other._in_quant
+        self._set_settings(group_size, bits, after)
+        if template is None:
+            self._regroup(in_quant)
+        else:
+            self._assemble(rows, in_quant, idx)
         self.left_padding = mx.concatenate(
             [self.left_padding + idx - self._idx, other.left_padding + idx - other._idx]
         )
         self._idx = idx
 
+    def _set_settings(self, group_size, bits, quantize_after):
+        self.group_size, self.latent_bits, self.quantize_after = (
+            group_size,
+            bits,
+            quantize_after,
+        )
+        self._groups[1].group_size, self._groups[1].latent_bits = group_size, bits
+
+    def _quant_setting(self):
+        return (
+            (self.group_size, self.latent_bits)
+            if self.latent_bits is not None
+            else None
+        )
+
+    def keys_and_values(self):
+        """The latents and RoPE keys of all rows, left padded, as arrays."""
+        return self._read()
+
     def extract(self, idx):
-        """Row idx as a single-sequence cache, in the same quantization."""
-        cache = MLALatentCache(self.group_size, self.latent_bits)
-        if self.keys is not None:
+        """Row idx as a single-sequence cache, in its own precision."""
+        q = self._in_quant[idx]
+        cache = MLALatentCache(self.group_size, self.latent_bits, self.quantize_after)
+        cache.latent_bits = self.latent_bits if q else None
+        if self._template() is not None:
             start = self.left_padding[idx].item()
-            cache._set_parts(
-                [
-                    mx.contiguous(p[idx : idx + 1, :, start : self._idx])
-                    for p in self._parts()
-                ]
-            )
+            parts = self._row_parts(idx, q)
+            cache._set_parts([mx.contiguous(p[..., start:, :]) for p in parts])
             cache.offset = self._idx - start
         return cache
 
     @classmethod
     def merge(cls, caches):
         """A batch cache from single-sequence caches, left padded to the
-        longest. Quantized and plain caches merge into a quantized batch."""
+        longest. Each row keeps the precision its cache had."""
         for i, c in enumerate(caches):
             if not isinstance(c, MLALatentCache):
                 raise TypeError(
                     f"BatchMLALatentCache.merge: cache {i} is a "
                     f"{type(c).__name__}, expected MLALatentCache"
                 )
-            if c._rows() != 1:
+            if c.keys is not None and c.keys.shape[0] != 1:
                 raise ValueError(
-                    f"BatchMLALatentCache.merge: cache {i} holds {c._rows()} "
+                    f"BatchMLALatentCache.merge: cache {i} holds {c.keys.shape[0]} "
                     "sequences, expected 1"
                 )
-        group_size, bits = _common_quantization(caches, "BatchMLALatentCache.merge")
+        group_size, bits, after = _batch_settings(caches, "BatchMLALatentCache.merge")
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         longest = max(lengths, default=0)
-        template = next((c for c in caches if c.keys is not None), None)
+        batch = cls([longest - n for n in lengths], group_size, bits, after)
+        in_quant = [c.quantized for c in caches]
+        template = next((c._specs() for c in caches if c.keys is not None), None)
         if template is None or longest == 0:
-            return cls([0] * len(caches), group_size, bits)
-        batch = cls([longest - n for n in lengths], group_size, bits)
-        rows = [c._padded_parts(template, group_size, bits, longest) for c in caches]
-        batch._set_parts([mx.concatenate(ps, axis=0) for ps in zip(*rows)])
+            batch.left_padding = mx.zeros((len(caches),), mx.int32)
+            batch._regroup(in_quant)
+            return batch
+        rows = []
+        for c, n in zip(caches, lengths):
+            if c.keys is None or n == 0:
+                parts = _zero_parts(
+                    1, 0, template, group_size, bits if c.quantized else None
+                )
+            else:
+                parts = [p[..., :n, :] for p in c._parts()]
+            rows.append([_pad_seq(p, longest - n) for p in parts])
+        batch._assemble(rows, in_quant, longest)
         batch._idx = longest
         return batch
 
     @property
     def state(self):
-        return [self._config(), self.left_padding] + self._state_parts(self._idx)
+        config = _config(self.group_size, self.latent_bits, self.quantize_after)
+        in_quant = mx.array([int(q) for q in self._in_quant], dtype=mx.int32)
+        parts = []
+        if self._template() is not None:
+            for g in self._groups:
+                if g.count:
+                    parts += [p[..., : self._idx, :] for p in g._parts()]
+        return [config, self.left_padding, in_quant] + parts
 
     @state.setter
     def state(self, v):
-        if not isinstance(v, (list, tuple)) or len(v) < 2:
+        name = "BatchMLALatentCache"
+        if not isinstance(v, (list, tuple)) or len(v) < 3:
             raise ValueError(
-                "BatchMLALatentCache state must be a list of at least "
-                f"[config, left_padding], got {_shape(v)}"
+                f"{name} state must be a list of at least [config, left_padding, "
+                f"row_precision], got {_shape(v)}"
             )
-        config, left_padding, parts = v[0], v[1], list(v[2:])
-        if not isinstance(left_padding, mx.array) or left_padding.ndim != 1:
+        config, left_padding, in_quant, parts = v[0], v[1], v[2], list(v[3:])
+        group_size, bits, after = _read_config(name, config)
+        for field, x in (("left_padding", left_padding), ("row_precision", in_quant)):
+            if not isinstance(x, mx.array) or x.ndim != 1:
+                raise ValueError(
+                    f"{name} state: {field} must be a 1-D mx.array, got {_shape(x)}"
+                )
+        if left_padding.shape != in_quant.shape:
             raise ValueError(
-                "BatchMLALatentCache state: left_padding must be a 1-D mx.array, "
-                f"got {_shape(left_padding)}"
+                f"{name} state: left_padding and row_precision disagree in length"
             )
-        self._load_state_parts("BatchMLALatentCache", config, parts)
-        if parts and parts[0].shape[0] != left_padding.shape[0]:
-            raise ValueError(
-                f"BatchMLALatentCache state: {left_padding.shape[0]} paddings "
-                f"for {parts[0].shape[0]} rows"
-            )
-        self.left_padding = left_padding.astype(mx.int32)
-        self._idx = self.values.shape[2] if self.values is not None else 0
-        self._right_padding = None
+        self.__init__(left_padding.tolist(), group_size, bits, after)
+        flags = [bool(x) for x in in_quant.tolist()]
+        if any(flags) and bits is None:
+            raise ValueError(f"{name} state: quantized rows without bits")
+        self._in_quant = flags
+        idx = 0
+        for q, g in enumerate(self._groups):
+            g.count = sum(1 for f in flags if f == q)
+            if not parts or not g.count:
+                continue
+            n = 4 if q else 2
+            mine, parts = parts[:n], parts[n:]
+            g._load_parts(name, mine)
+            if g.keys.shape[0] != g.count:
+                raise ValueError(
+                    f"{name} state: {g.keys.shape[0]} rows stored for {g.count} rows"
+                )
+            idx = g.values.shape[2]
+        if parts:
+            raise ValueError(f"{name} state: {len(parts)} arrays too many")
+        self._idx = idx
 
 
-def _common_quantization(caches, where):
-    """The (group_size, bits) of a batch made from these caches: quantized if
-    any of them is. Differing settings are an error, since requantizing would
-    add error silently."""
-    held = [c for c in caches if c.keys is not None]
-    specs = {
-        (tuple(c._latent_spec()), c.values.shape[-1], c.values.dtype) for c in held
-    }
+def _batch_settings(caches, where):
+    """(group_size, bits, quantize_after) of a batch made from these caches.
+    Their quantization must agree (requantizing would add error silently),
+    and so must the widths of their latents."""
+    specs = {t for t in (_held_specs(c) for c in caches) if t is not None}
     if len(specs) > 1:
         raise ValueError(f"{where}: caches hold latents of different widths or dtypes")
-    settings = {(c.group_size, c.latent_bits) for c in caches if c.quantized}
+    settings = {s for s in (c._quant_setting() for c in caches) if s is not None}
     if len(settings) > 1:
         raise ValueError(
             f"{where}: caches are quantized differently: {sorted(settings)}"
         )
-    if not settings:
-        return (caches[0].group_size if caches else 64), None
-    return settings.pop()
+    policies = {c.quantize_after for c in caches if c.quantize_after is not None}
+    if len(policies) > 1:
+        raise ValueError(
+            f"{where}: caches quantize after different lengths: {sorted(policies)}"
+        )
+    group_size, bits = (
+        settings.pop() if settings else (caches[0].group_size if caches else 64, None)
+    )
+    return group_size, bits, (policies.pop() if policies else None)
+
+
+def _held_specs(cache):
+    if isinstance(cache, BatchMLALatentCache):
+        return cache._template()
+    return cache._specs() if cache.keys is not None else None

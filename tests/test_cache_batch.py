@@ -17,7 +17,7 @@ def single(n, seed):
 
 def row_tokens(batch, i):
     """The latent rows that batch row i holds, without padding."""
-    return batch.extract(i).state[1]
+    return batch.extract(i).keys_and_values()[0]
 
 
 def test_merge_left_pads_to_the_longest():
@@ -26,7 +26,7 @@ def test_merge_left_pads_to_the_longest():
     assert batch.offset.tolist() == [3, 7, 0]
     assert batch.left_padding.tolist() == [4, 0, 7]
     for i in (0, 1):
-        assert mx.array_equal(row_tokens(batch, i), caches[i].state[1])
+        assert mx.array_equal(row_tokens(batch, i), caches[i].keys_and_values()[0])
 
 
 def test_merge_of_empty_caches_is_an_empty_batch():
@@ -56,8 +56,8 @@ def test_trim_keeps_tokens_of_rows_that_are_long_enough():
     a, b = single(5, 0), single(8, 1)
     batch = BatchMLALatentCache.merge([a, b])
     batch.trim(3)
-    assert mx.array_equal(row_tokens(batch, 0), a.state[1][:, :, :2])
-    assert mx.array_equal(row_tokens(batch, 1), b.state[1][:, :, :5])
+    assert mx.array_equal(row_tokens(batch, 0), a.keys_and_values()[0][:, :, :2])
+    assert mx.array_equal(row_tokens(batch, 1), b.keys_and_values()[0][:, :, :5])
 
 
 def test_trim_more_than_the_longest_row_empties_every_row():
@@ -80,7 +80,7 @@ def test_filter_keeps_rows_and_drops_unneeded_padding():
     batch.filter([0, 2])
     assert batch.offset.tolist() == [2, 4]
     assert batch.size() == 4  # padding for the removed long row is gone
-    assert mx.array_equal(row_tokens(batch, 1), caches[2].state[1])
+    assert mx.array_equal(row_tokens(batch, 1), caches[2].keys_and_values()[0])
 
 
 def test_extend_right_aligns_both_sides():
@@ -89,7 +89,7 @@ def test_extend_right_aligns_both_sides():
     a.extend(b)
     assert a.offset.tolist() == [2, 5, 1]
     assert a.size() == 5
-    assert mx.array_equal(row_tokens(a, 0), single(2, 0).state[1])
+    assert mx.array_equal(row_tokens(a, 0), single(2, 0).keys_and_values()[0])
 
 
 @pytest.mark.parametrize("empty_side", ["self", "other"])
@@ -108,7 +108,7 @@ def test_extract_returns_a_single_cache_of_the_row():
     batch = BatchMLALatentCache.merge(caches)
     out = batch.extract(0)
     assert isinstance(out, MLALatentCache) and out.offset == 3
-    assert mx.array_equal(out.state[2], caches[0].state[2])
+    assert mx.array_equal(out.keys_and_values()[1], caches[0].keys_and_values()[1])
 
 
 def test_prepare_and_finalize_turn_right_padding_into_left_padding():
@@ -136,4 +136,4 @@ def test_state_round_trips():
     batch = BatchMLALatentCache.merge([single(2, 0), single(4, 1)])
     loaded = BatchMLALatentCache.from_state(list(batch.state))
     assert loaded.offset.tolist() == [2, 4]
-    assert mx.array_equal(loaded.state[2], batch.state[2])
+    assert mx.array_equal(loaded.keys_and_values()[1], batch.keys_and_values()[1])

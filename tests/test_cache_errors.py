@@ -78,7 +78,8 @@ def test_state_with_wrong_number_of_arrays_is_refused():
 
 
 def test_state_with_inconsistent_lengths_is_refused():
-    state = [mx.array([64, 0]), mx.zeros((1, 1, 3, 64)), mx.zeros((1, 1, 2, 16))]
+    config, plain = mx.array([64, 0, -1]), mx.array(0)
+    state = [config, plain, mx.zeros((1, 1, 3, 64)), mx.zeros((1, 1, 2, 16))]
     with pytest.raises(ValueError, match="disagree on batch or length"):
         MLALatentCache.from_state(state)
 

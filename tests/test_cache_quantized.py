@@ -71,13 +71,15 @@ def test_quantized_state_round_trips():
     assert mx.array_equal(a, b)
 
 
-def test_merge_of_quantized_and_plain_is_quantized_and_leaves_inputs_alone():
+def test_merge_keeps_each_rows_precision_and_leaves_inputs_alone():
     q = filled(4, seed=0).to_quantized(bits=8)
     p = filled(6, seed=1)
     batch = BatchMLALatentCache.merge([q, p])
-    assert batch.latent_bits == 8 and not p.quantized
+    assert batch.latent_bits == 8 and not batch.quantized and not p.quantized
     assert batch.offset.tolist() == [4, 6]
-    assert mx.array_equal(batch.extract(0).state[1], q.state[1])
+    assert batch.extract(0).quantized and not batch.extract(1).quantized
+    assert mx.array_equal(batch.extract(0).keys_and_values()[0], q.keys_and_values()[0])
+    assert mx.array_equal(batch.extract(1).keys_and_values()[0], p.keys_and_values()[0])
 
 
 def test_merge_of_differently_quantized_caches_is_an_error():
@@ -92,11 +94,53 @@ def test_batch_quantized_extract_filter_extend_trim():
     assert batch.to_quantized(bits=4) is batch
     out = batch.extract(1)
     assert out.quantized and out.latent_bits == 4 and out.offset == 5
-    other = BatchMLALatentCache.merge([filled(2, 2)])  # plain joins a quantized batch
+    other = BatchMLALatentCache.merge([filled(2, 2)])  # a plain row joins, and stays plain
     batch.extend(other)
     assert batch.latent_bits == 4 and batch.offset.tolist() == [3, 5, 2]
+    assert [batch.extract(i).quantized for i in range(3)] == [True, True, False]
     batch.filter([1, 2])
     assert batch.offset.tolist() == [5, 2]
     assert batch.trim(3) == 3 and batch.offset.tolist() == [2, 0]
     latent, _ = batch.update_and_fetch(*rows(1, B=2))
     assert latent.shape == (2, 1, 3, 64)
+
+
+def test_a_single_cache_quantizes_itself_after_the_threshold():
+    cache = MLALatentCache(bits=8, quantize_after=10)
+    cache.update_and_fetch(*rows(10, seed=0))
+    assert not cache.quantized  # like quantized_kv_start: after, not at
+    latent, _ = cache.update_and_fetch(*rows(1, seed=1))
+    assert cache.quantized and cache.latent_bits == 8 and latent.shape[2] == 11
+
+
+def test_batch_rows_are_quantized_one_by_one_as_each_crosses():
+    short = MLALatentCache(bits=4, quantize_after=8)
+    long = MLALatentCache(bits=4, quantize_after=8)
+    short.update_and_fetch(*rows(3, seed=0))
+    long.update_and_fetch(*rows(7, seed=1))
+    batch = BatchMLALatentCache.merge([short, long])
+    step = rows(2, B=2, seed=2)
+    batch.update_and_fetch(*step)  # offsets become 5 and 9
+    assert [batch.extract(i).quantized for i in range(2)] == [False, False]
+    got, _ = batch.update_and_fetch(*rows(1, B=2, seed=3))  # row 1 crossed 8
+    assert [batch.extract(i).quantized for i in range(2)] == [False, True]
+    exact = mx.concatenate([short.keys_and_values()[0], step[0][0:1]], axis=2)
+    assert mx.array_equal(got[0:1, :, -6:-1], exact)  # the short row stays exact
+
+
+def test_a_mixed_batch_round_trips_through_state():
+    batch = BatchMLALatentCache.merge([filled(3, 0).to_quantized(bits=4), filled(5, 1)])
+    loaded = BatchMLALatentCache.from_state(list(batch.state))
+    assert [loaded.extract(i).quantized for i in range(2)] == [True, False]
+    assert all(
+        mx.array_equal(a, b) for a, b in zip(loaded.keys_and_values(), batch.keys_and_values())
+    )
+
+
+def test_the_threshold_carries_over_merge_and_extract():
+    single = MLALatentCache(bits=4, quantize_after=16)
+    single.update_and_fetch(*rows(3))
+    batch = BatchMLALatentCache.merge([single, MLALatentCache(bits=4, quantize_after=16)])
+    assert (batch.latent_bits, batch.quantize_after) == (4, 16)
+    out = batch.extract(0)
+    assert (out.quantize_bits, out.quantize_after, out.quantized) == (4, 16, False)

@@ -71,7 +71,7 @@ def test_deepcopy_is_independent():
     cache.trim(2)
     cache.update_and_fetch(*rows(2, seed=5))
     assert clone.offset == 4
-    assert not mx.array_equal(clone.state[1], cache.state[1])
+    assert not mx.array_equal(clone.keys_and_values()[0], cache.keys_and_values()[0])
 
 
 def test_state_round_trips_through_lists():
@@ -82,7 +82,7 @@ def test_state_round_trips_through_lists():
     loaded = MLALatentCache.from_state(state)
     assert loaded.offset == 5
     assert mx.array_equal(loaded.update_and_fetch(*rows(1, seed=3))[0][:, :, :5],
-                          cache.state[1])
+                          cache.keys_and_values()[0])
 
 
 def test_from_state_accepts_the_old_meta_state_argument():
