@@ -578,7 +578,7 @@ class BatchMLALatentCache(_Protocol):
                 for q, n in zip(self._in_quant, self.offset.tolist())
             ]
             if crossed != self._in_quant:
-                self._regroup(crossed)
+                self.quantize_rows([b for b, q in enumerate(crossed) if q])
         mixed = 0 < sum(self._in_quant) < self._rows()
         for q, g in enumerate(self._groups):
             if g.count == 0:
@@ -657,9 +657,16 @@ class BatchMLALatentCache(_Protocol):
             width = specs[0][0] if specs else None
             _check_quant_params("BatchMLALatentCache", group_size, bits, width)
             self._set_settings(group_size, bits, self.quantize_after)
-        if not all(self._in_quant):
-            self._regroup([True] * self._rows())
+        self.quantize_rows(range(self._rows()))
         return self
+
+    def quantize_rows(self, rows):
+        """Quantizes the latent of the given rows in place (once per row)."""
+        in_quant = list(self._in_quant)
+        for b in rows:
+            in_quant[b] = True
+        if in_quant != self._in_quant:
+            self._regroup(in_quant)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         return _causal_mask(N, self._idx, self.left_padding, window_size)

@@ -63,6 +63,7 @@ def with_latent_caches(model, caches):
     only their latent members replaced (the DSA indexer keeps its cache);
     other caches, such as the ``ArraysCache`` of linear layers, are kept."""
     up = _upstream()
+    settings = vars(model).get("_mlx_lm_mla_kv", {})
     layers = list(model.layers)
     # Extra caches come first (LongCat n-gram keeps one before the layers).
     start = len(caches) - len(layers)
@@ -75,12 +76,12 @@ def with_latent_caches(model, caches):
             continue
         c = caches[start + i]
         if type(c) is up.KVCache:
-            caches[start + i] = MLALatentCache()
+            caches[start + i] = MLALatentCache(**settings)
         elif isinstance(c, up.CacheList):
             members = list(c.caches)
             for j, m in enumerate(members):
                 if n > 0 and type(m) is up.KVCache:
-                    members[j] = MLALatentCache()
+                    members[j] = MLALatentCache(**settings)
                     n -= 1
             caches[start + i] = up.CacheList(*members)
     return caches
@@ -184,3 +185,34 @@ def _as_batch(single, converted, left_padding):
             )
         )
     return converted
+
+
+def batchable_with_kv_bits(original):
+    """``ResponseGenerator._is_batchable`` that keeps batching MLA models when
+    ``--kv-bits`` is set. Upstream refuses, since its quantized cache cannot
+    batch; latent caches can, each row quantized once it holds
+    ``--quantized-kv-start`` tokens. Other models keep upstream behaviour."""
+
+    def _is_batchable(self, args):
+        if original(self, args):
+            return True
+        cli, provider = self.cli_args, self.model_provider
+        model = getattr(provider, "model", None)
+        if (
+            getattr(cli, "kv_bits", None) is None
+            or model is None
+            or args.seed is not None
+        ):
+            return False
+        if not (provider.is_batchable and has_latent_attention(model)):
+            return False
+        settings = dict(
+            group_size=cli.kv_group_size,
+            bits=cli.kv_bits,
+            quantize_after=cli.quantized_kv_start,
+        )
+        object.__setattr__(model, "_mlx_lm_mla_kv", settings)
+        return True
+
+    _is_batchable.mlx_lm_mla_original = original
+    return _is_batchable

@@ -61,22 +61,21 @@ def _install_faults():
     trigger = faults.make_trigger()
     if trigger is None:
         return
-    for cls in (MLALatentCache, BatchMLALatentCache):
-        for name in (
-            "update_and_fetch",
-            "trim",
-            "extract",
-            "filter",
-            "extend",
-            "to_quantized",
-        ):
-            if name in vars(cls):
-                _set(
-                    cls,
-                    name,
-                    faults.wrap(vars(cls)[name], name, trigger),
-                    f"fault:{cls.__name__}.{name}",
-                )
+    # Operation points; a batch quantizes its rows through quantize_rows.
+    targets = [
+        (MLALatentCache, "update_and_fetch", "update_and_fetch"),
+        (MLALatentCache, "trim", "trim"),
+        (MLALatentCache, "to_quantized", "to_quantized"),
+        (BatchMLALatentCache, "update_and_fetch", "update_and_fetch"),
+        (BatchMLALatentCache, "trim", "trim"),
+        (BatchMLALatentCache, "extract", "extract"),
+        (BatchMLALatentCache, "filter", "filter"),
+        (BatchMLALatentCache, "extend", "extend"),
+        (BatchMLALatentCache, "quantize_rows", "to_quantized"),
+    ]
+    for cls, name, point in targets:
+        wrapped = faults.wrap(vars(cls)[name], point, trigger)
+        _set(cls, name, wrapped, f"fault:{cls.__name__}.{name}")
     merge = vars(BatchMLALatentCache)["merge"].__func__
     _set(
         BatchMLALatentCache,
@@ -113,6 +112,13 @@ def _install_reuse_guards(cache_module):
             "mlx_lm.server.APIHandler.handle_completion",
         )
     generator = getattr(server, "ResponseGenerator", None)
+    if callable(getattr(generator, "_is_batchable", None)):
+        _set(
+            generator,
+            "_is_batchable",
+            hooks.batchable_with_kv_bits(generator._is_batchable),
+            "mlx_lm.server.ResponseGenerator._is_batchable",
+        )
     if all(
         callable(getattr(generator, f, None)) for f in ("_generate", "_next_request")
     ):

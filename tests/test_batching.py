@@ -78,3 +78,55 @@ def test_batch_cache_construction_knows_latent_caches(installed):
         singles = [make_prompt_cache(model) for _ in range(2)]
         merged = [a.merge([a, b]) for a, b in zip(*singles)]
         assert all(isinstance(c.caches[0], BatchMLALatentCache) for c in merged)
+
+
+def serve_settings(model, bits=4, start=12):
+    """What the server hook does when mlx_lm.server runs with --kv-bits."""
+    from types import SimpleNamespace
+
+    from mlx_lm_mla.hooks import batchable_with_kv_bits
+
+    server = SimpleNamespace(
+        cli_args=SimpleNamespace(kv_bits=bits, kv_group_size=64, quantized_kv_start=start),
+        model_provider=SimpleNamespace(model=model, is_batchable=True),
+    )
+    refuse = lambda self, args: False  # upstream refuses to batch with kv_bits
+    return batchable_with_kv_bits(refuse)(server, SimpleNamespace(seed=None))
+
+
+def test_kv_bits_keep_mla_models_batchable(installed):
+    model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
+    assert serve_settings(model)
+    cache = make_prompt_cache(model)
+    assert (cache[0].quantize_bits, cache[0].quantize_after) == (4, 12)
+
+
+def test_kv_bits_do_not_make_other_models_batchable(installed):
+    model, _ = tiny.build_model("deepseek_v2")
+    assert not serve_settings(model)
+
+
+def test_batched_rows_quantized_one_by_one_match_each_sequence_alone(installed):
+    model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
+    serve_settings(model, bits=8, start=12)
+    expected = [
+        [
+            t
+            for t, _ in generate_step(
+                mx.array(p), model, max_tokens=8, kv_bits=8, kv_group_size=64,
+                quantized_kv_start=12, prompt_cache=make_prompt_cache(model),
+            )
+        ]
+        for p in PROMPTS
+    ]
+    gen = BatchGenerator(model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4)
+    uids = gen.insert(PROMPTS, [8] * 4)
+    got = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                # every row crossed 12 tokens, so every cache handed back is quantized
+                assert all(c.quantized for c in r.prompt_cache)
+    gen.close()
+    assert [got[uid] for uid in uids] == expected
