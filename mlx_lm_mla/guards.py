@@ -319,3 +319,14 @@ def guarded_completion(original):
 
     handle_completion.mlx_lm_mla_original = original
     return handle_completion
+
+
+def checked_load(original):
+    """``load_prompt_cache`` that checks the file is whole first."""
+
+    def load_prompt_cache(file_name, *args, **kwargs):
+        check_cache_file(file_name)
+        return original(file_name, *args, **kwargs)
+
+    load_prompt_cache.mlx_lm_mla_original = original
+    return load_prompt_cache

@@ -1,14 +1,16 @@
 """Every change this package makes to mlx-lm, in one place.
 
-``install()`` wires the MLA caches into the installed mlx-lm and returns what
-it patched; calling it again changes nothing. ``uninstall()`` puts every
-original back. Each patch is applied only where the code it replaces is
-there, and outside the tested mlx-lm range a warning says so once.
+``install()`` wires the MLA caches and the reuse guards into the installed
+mlx-lm and returns what it patched; calling it again changes nothing.
+``uninstall()`` puts every original back. A patch is applied only where the
+code it replaces is there, and outside the tested mlx-lm range a warning
+says so once.
 """
 
 import importlib
 import logging
 import sys
+import types
 import warnings
 
 from . import faults, guards, hooks
@@ -41,19 +43,78 @@ def installed():
     return [p[-1] for p in _applied]
 
 
-def _set(owner, name, value, label):
+def _label(owner, name):
+    if isinstance(owner, types.ModuleType):
+        return f"{owner.__name__}.{name}"
+    return f"{owner.__module__}.{owner.__qualname__}.{name}"
+
+
+def _set(owner, name, value):
     had = name in vars(owner)
-    _applied.append((owner, name, had, vars(owner).get(name), label))
+    _applied.append((owner, name, had, vars(owner).get(name), _label(owner, name)))
     setattr(owner, name, value)
 
 
-def checked_load_hook(original):
-    def load_prompt_cache(file_name, *args, **kwargs):
-        guards.check_cache_file(file_name)
-        return original(file_name, *args, **kwargs)
+def _wrap(owner, name, wrapper):
+    """Replaces owner.name by wrapper(owner.name), if owner has it."""
+    if callable(getattr(owner, name, None)):
+        _set(owner, name, wrapper(getattr(owner, name)))
 
-    load_prompt_cache.mlx_lm_mla_original = original
-    return load_prompt_cache
+
+def _install_caches(cache_module):
+    # load_prompt_cache and CacheList look cache classes up by name here.
+    for cls in (MLALatentCache, BatchMLALatentCache):
+        _set(cache_module, cls.__name__, cls)
+
+    for name in hooks.candidate_model_types():
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{name}")
+        except Exception as e:  # a model with optional dependencies
+            logging.debug("mlx-lm-mla: skipping %s: %s", name, e)
+            continue
+        cls = getattr(module, "Model", None)
+        current = getattr(cls, "make_cache", None)
+        if cls is None or hasattr(current, "mlx_lm_mla_original"):
+            continue  # no model here, or it inherits a hooked make_cache
+        if current is None:
+            _set(cls, "make_cache", hooks.DefaultLatentCaches())
+        else:
+            _set(cls, "make_cache", hooks.make_cache_hook(current))
+
+    # mlx-lm 0.31 builds batch caches from a fixed list of types.
+    generate = importlib.import_module("mlx_lm.generate")
+    _wrap(generate, "_make_cache", hooks.batch_cache_hook)
+
+
+def _install_reuse_guards(cache_module):
+    # Refuse truncated cache files, wherever mlx-lm bound load_prompt_cache.
+    load = getattr(cache_module, "load_prompt_cache", None)
+    if callable(load):
+        checked = guards.checked_load(load)
+        for name, module in list(sys.modules.items()):
+            if (
+                name.startswith("mlx_lm")
+                and getattr(module, "load_prompt_cache", None) is load
+            ):
+                _set(module, "load_prompt_cache", checked)
+
+    store = getattr(cache_module, "LRUPromptCache", None)
+    trie = getattr(store(), "_trie", None) if store is not None else None
+    if all(hasattr(trie, f) for f in ("search", "get", "pop")):
+        _wrap(store, "fetch_nearest_cache", guards.guarded_fetch)
+        _wrap(store, "insert_cache", guards.guarded_insert)
+
+    server = importlib.import_module("mlx_lm.server")
+    _wrap(
+        getattr(server, "APIHandler", None),
+        "handle_completion",
+        guards.guarded_completion,
+    )
+    generator = getattr(server, "ResponseGenerator", None)
+    _wrap(generator, "_is_batchable", hooks.batchable_with_kv_bits)
+    if callable(getattr(generator, "_next_request", None)):
+        _wrap(generator, "_next_request", guards.tracked_next_request)
+        _wrap(generator, "_generate", guards.supervised_generate)
 
 
 def _install_faults():
@@ -61,8 +122,8 @@ def _install_faults():
     trigger = faults.make_trigger()
     if trigger is None:
         return
-    # Operation points; a batch quantizes its rows through quantize_rows.
-    targets = [
+    # A batch quantizes its rows through quantize_rows.
+    points = [
         (MLALatentCache, "update_and_fetch", "update_and_fetch"),
         (MLALatentCache, "trim", "trim"),
         (MLALatentCache, "to_quantized", "to_quantized"),
@@ -73,71 +134,16 @@ def _install_faults():
         (BatchMLALatentCache, "extend", "extend"),
         (BatchMLALatentCache, "quantize_rows", "to_quantized"),
     ]
-    for cls, name, point in targets:
-        wrapped = faults.wrap(vars(cls)[name], point, trigger)
-        _set(cls, name, wrapped, f"fault:{cls.__name__}.{name}")
+    for cls, name, point in points:
+        _set(cls, name, faults.wrap(vars(cls)[name], point, trigger))
     merge = vars(BatchMLALatentCache)["merge"].__func__
     _set(
-        BatchMLALatentCache,
-        "merge",
-        classmethod(faults.wrap(merge, "merge", trigger)),
-        "fault:BatchMLALatentCache.merge",
+        BatchMLALatentCache, "merge", classmethod(faults.wrap(merge, "merge", trigger))
     )
 
 
-def _install_reuse_guards(cache_module):
-    """Guards on the cross-request path, for every model type."""
-    store = getattr(cache_module, "LRUPromptCache", None)
-    trie = getattr(store(), "_trie", None) if store is not None else None
-    if all(hasattr(trie, f) for f in ("search", "get", "pop")):
-        _set(
-            store,
-            "fetch_nearest_cache",
-            guards.guarded_fetch(store.fetch_nearest_cache),
-            "mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache",
-        )
-        _set(
-            store,
-            "insert_cache",
-            guards.guarded_insert(store.insert_cache),
-            "mlx_lm.models.cache.LRUPromptCache.insert_cache",
-        )
-    server = importlib.import_module("mlx_lm.server")
-    handler = getattr(server, "APIHandler", None)
-    if callable(getattr(handler, "handle_completion", None)):
-        _set(
-            handler,
-            "handle_completion",
-            guards.guarded_completion(handler.handle_completion),
-            "mlx_lm.server.APIHandler.handle_completion",
-        )
-    generator = getattr(server, "ResponseGenerator", None)
-    if callable(getattr(generator, "_is_batchable", None)):
-        _set(
-            generator,
-            "_is_batchable",
-            hooks.batchable_with_kv_bits(generator._is_batchable),
-            "mlx_lm.server.ResponseGenerator._is_batchable",
-        )
-    if all(
-        callable(getattr(generator, f, None)) for f in ("_generate", "_next_request")
-    ):
-        _set(
-            generator,
-            "_next_request",
-            guards.tracked_next_request(generator._next_request),
-            "mlx_lm.server.ResponseGenerator._next_request",
-        )
-        _set(
-            generator,
-            "_generate",
-            guards.supervised_generate(generator._generate),
-            "mlx_lm.server.ResponseGenerator._generate",
-        )
-
-
 def install():
-    """Activates the MLA caches in the installed mlx-lm. Idempotent.
+    """Activates the MLA caches and the reuse guards. Idempotent.
 
     Returns:
         List[str]: what is patched, e.g. ``mlx_lm.models.deepseek_v3.Model.make_cache``.
@@ -158,56 +164,10 @@ def install():
             RuntimeWarning,
             stacklevel=2,
         )
-
-    # load_prompt_cache and CacheList look cache classes up by name here.
     cache_module = importlib.import_module("mlx_lm.models.cache")
-    if hasattr(cache_module, "load_prompt_cache"):
-        for cls in (MLALatentCache, BatchMLALatentCache):
-            _set(cache_module, cls.__name__, cls, f"mlx_lm.models.cache.{cls.__name__}")
-
-    for name in hooks.candidate_model_types():
-        try:
-            module = importlib.import_module(f"mlx_lm.models.{name}")
-        except Exception as e:  # a model with optional dependencies
-            logging.debug("mlx-lm-mla: skipping %s: %s", name, e)
-            continue
-        cls = getattr(module, "Model", None)
-        if cls is None:
-            continue
-        current = getattr(cls, "make_cache", None)
-        if hasattr(current, "mlx_lm_mla_original"):
-            continue  # inherits a hooked make_cache
-        hook = (
-            hooks.DefaultLatentCaches()
-            if current is None
-            else hooks.make_cache_hook(current)
-        )
-        _set(cls, "make_cache", hook, f"{module.__name__}.Model.make_cache")
-
-    # Refuse truncated cache files before they are read.
-    original_load = getattr(cache_module, "load_prompt_cache", None)
-    if callable(original_load):
-        checked = checked_load_hook(original_load)
-        for name, module in list(sys.modules.items()):
-            if (
-                name.startswith("mlx_lm")
-                and getattr(module, "load_prompt_cache", None) is original_load
-            ):
-                _set(module, "load_prompt_cache", checked, f"{name}.load_prompt_cache")
-
+    _install_caches(cache_module)
     _install_reuse_guards(cache_module)
-
     _install_faults()
-
-    # mlx-lm 0.31 builds batch caches from a fixed list of types.
-    generate = importlib.import_module("mlx_lm.generate")
-    if callable(getattr(generate, "_make_cache", None)):
-        _set(
-            generate,
-            "_make_cache",
-            hooks.batch_cache_hook(generate._make_cache),
-            "mlx_lm.generate._make_cache",
-        )
     return installed()
 
 
