@@ -101,12 +101,6 @@ def _quantize(x, group_size, bits):
     return list(mx.quantize(x, group_size=group_size, bits=bits))
 
 
-def _pad_seq(x, left, right=0):
-    if left == 0 and right == 0:
-        return x
-    return mx.pad(x, [(0, 0), (0, 0), (left, right), (0, 0)])
-
-
 def _roll_rows(x, shifts):
     """Rolls each row of x right along the sequence axis by its own shift."""
     n = x.shape[2]
@@ -201,7 +195,10 @@ class _Store:
 
     def _read(self, end):
         """The latent and the RoPE key for positions [0, end), as arrays."""
-        if self.quantized:
+        if self.quantized and end == 0:  # mx.dequantize refuses empty input
+            (width, dtype), _ = self._specs()
+            latent = mx.zeros((*self.keys.shape[:2], 0, width), dtype)
+        elif self.quantized:
             latent = mx.dequantize(
                 self.keys[..., :end, :],
                 self.scales[..., :end, :],
@@ -340,17 +337,18 @@ class MLALatentCache(_Store, _Protocol):
         _check_pair(
             name, latent, rope, self.keys.shape[0] if self.keys is not None else None
         )
-        if self.quantize_after is not None and self.offset >= self.quantize_after:
-            self.to_quantized(self.group_size, self.quantize_bits)
-        if self.quantized:
-            _check_quant_params(
-                name, self.group_size, self.latent_bits, latent.shape[-1]
-            )
+        bits = self.latent_bits or self.quantize_bits
+        if bits is not None:
+            _check_quant_params(name, self.group_size, bits, latent.shape[-1])
         if self.keys is not None:
             _check_widths(name, latent, rope, self._specs())
         self._write(self.offset, latent, rope)
         self.offset += latent.shape[2]
-        return self._read(self.offset)
+        result = self._read(self.offset)
+        # Like quantized_kv_start: this step ran exact, the next ones do not.
+        if self.quantize_after is not None and self.offset >= self.quantize_after:
+            self.to_quantized(self.group_size, self.quantize_bits)
+        return result
 
     def size(self):
         return self.offset
@@ -539,16 +537,25 @@ class BatchMLALatentCache(_Protocol):
         return parts
 
     def _assemble(self, rows, in_quant, length):
-        """Sets both stores from per-row parts (in batch order)."""
+        """Sets both stores from rows given in batch order as (parts, left):
+        a row's parts land at [left, left + L) of zeroed buffers of the
+        given length, so each byte is copied once."""
         self._in_quant = list(in_quant)
         for q, g in enumerate(self._groups):
             mine = [r for r, flag in zip(rows, in_quant) if flag == q]
             g.count = len(mine)
-            g._set_parts(
-                [mx.concatenate(ps, axis=0) for ps in zip(*mine)] if mine else []
-            )
-            if mine and length > g.values.shape[2]:
-                g._set_parts([_pad_seq(p, 0, length - p.shape[2]) for p in g._parts()])
+            if not mine:
+                g._set_parts([])
+                continue
+            buffers = [
+                mx.zeros((len(mine), 1, length, p.shape[3]), p.dtype)
+                for p in mine[0][0]
+            ]
+            for i, (parts, left) in enumerate(mine):
+                n = parts[0].shape[2]
+                for buffer, p in zip(buffers, parts if n else []):
+                    buffer[i : i + 1, :, left : left + n] = p
+            g._set_parts(buffers)
 
     def _regroup(self, in_quant):
         """Moves rows between the stores (plain rows become quantized)."""
@@ -557,7 +564,7 @@ class BatchMLALatentCache(_Protocol):
             for q, g in enumerate(self._groups):
                 g.count = sum(1 for x in in_quant if x == q)
             return
-        rows = [self._row_parts(b, q) for b, q in enumerate(in_quant)]
+        rows = [(self._row_parts(b, q), 0) for b, q in enumerate(in_quant)]
         self._assemble(rows, in_quant, self._idx)
 
     # --- the cache protocol ------------------------------------------------
@@ -572,13 +579,6 @@ class BatchMLALatentCache(_Protocol):
         specs = self._template()
         if specs is not None:
             _check_widths(name, latent, rope, specs)
-        if self.quantize_after is not None:
-            crossed = [
-                q or n >= self.quantize_after
-                for q, n in zip(self._in_quant, self.offset.tolist())
-            ]
-            if crossed != self._in_quant:
-                self.quantize_rows([b for b, q in enumerate(crossed) if q])
         mixed = 0 < sum(self._in_quant) < self._rows()
         for q, g in enumerate(self._groups):
             if g.count == 0:
@@ -586,7 +586,15 @@ class BatchMLALatentCache(_Protocol):
             rows = mx.array(self._members(q)) if mixed else slice(None)
             g._write(self._idx, latent[rows], rope[rows])
         self._idx += latent.shape[2]
-        return self._read()
+        result = self._read()
+        # Like quantized_kv_start: this step ran exact, the next ones do not.
+        if self.quantize_after is not None:
+            held = self.offset
+            if self._right_padding is not None:  # a ragged prompt: junk is not held
+                held = held - self._right_padding
+            crossed = [n >= self.quantize_after for n in held.tolist()]
+            self.quantize_rows([b for b, q in enumerate(crossed) if q])
+        return result
 
     def _read(self):
         if not (0 < sum(self._in_quant) < self._rows()):
@@ -675,11 +683,14 @@ class BatchMLALatentCache(_Protocol):
         """Keeps only the given rows, then drops padding no row needs."""
         batch_indices = list(batch_indices)
         in_quant = [self._in_quant[b] for b in batch_indices]
-        if self._template() is None:
-            self._regroup(in_quant)
-        else:
-            rows = [self._row_parts(b, self._in_quant[b]) for b in batch_indices]
-            self._assemble(rows, in_quant, self._idx)
+        local = [self._local(b) for b in batch_indices]
+        for q, g in enumerate(self._groups):
+            keep = [i for i, flag in zip(local, in_quant) if flag == q]
+            g.count = len(keep)
+            if g.keys is not None:
+                keep = mx.array(keep, dtype=mx.int32)
+                g._set_parts([p[keep] for p in g._parts()] if g.count else [])
+        self._in_quant = in_quant
         idx = mx.array(batch_indices, dtype=mx.int32)
         self.left_padding = self.left_padding[idx]
         if self._right_padding is not None:
@@ -713,7 +724,7 @@ class BatchMLALatentCache(_Protocol):
                         )
                     else:
                         parts = c._row_parts(b, q)
-                    rows.append([_pad_seq(p, idx - c._idx) for p in parts])
+                    rows.append((parts, idx - c._idx))
         in_quant = self._in_quant + other._in_quant
         self._set_settings(group_size, bits, after)
         if template is None:
@@ -789,7 +800,7 @@ class BatchMLALatentCache(_Protocol):
                 )
             else:
                 parts = [p[..., :n, :] for p in c._parts()]
-            rows.append([_pad_seq(p, longest - n) for p in parts])
+            rows.append((parts, longest - n))
         batch._assemble(rows, in_quant, longest)
         batch._idx = longest
         return batch

@@ -106,26 +106,29 @@ def test_batch_quantized_extract_filter_extend_trim():
 
 
 def test_a_single_cache_quantizes_itself_after_the_threshold():
+    # as mlx-lm's quantized_kv_start: the step that reaches it runs exact
     cache = MLALatentCache(bits=8, quantize_after=10)
-    cache.update_and_fetch(*rows(10, seed=0))
-    assert not cache.quantized  # like quantized_kv_start: after, not at
-    latent, _ = cache.update_and_fetch(*rows(1, seed=1))
-    assert cache.quantized and cache.latent_bits == 8 and latent.shape[2] == 11
+    cache.update_and_fetch(*rows(9, seed=0))
+    assert not cache.quantized
+    step = rows(1, seed=1)
+    latent, _ = cache.update_and_fetch(*step)
+    assert mx.array_equal(latent[:, :, -1:], step[0])
+    assert cache.quantized and cache.latent_bits == 8 and cache.offset == 10
 
 
 def test_batch_rows_are_quantized_one_by_one_as_each_crosses():
     short = MLALatentCache(bits=4, quantize_after=8)
     long = MLALatentCache(bits=4, quantize_after=8)
     short.update_and_fetch(*rows(3, seed=0))
-    long.update_and_fetch(*rows(7, seed=1))
+    long.update_and_fetch(*rows(6, seed=1))
     batch = BatchMLALatentCache.merge([short, long])
     step = rows(2, B=2, seed=2)
-    batch.update_and_fetch(*step)  # offsets become 5 and 9
-    assert [batch.extract(i).quantized for i in range(2)] == [False, False]
-    got, _ = batch.update_and_fetch(*rows(1, B=2, seed=3))  # row 1 crossed 8
+    batch.update_and_fetch(*step)  # offsets become 5 and 8: row 1 crosses
     assert [batch.extract(i).quantized for i in range(2)] == [False, True]
+    got, _ = batch.update_and_fetch(*rows(1, B=2, seed=3))
     exact = mx.concatenate([short.keys_and_values()[0], step[0][0:1]], axis=2)
     assert mx.array_equal(got[0:1, :, -6:-1], exact)  # the short row stays exact
+    assert not mx.array_equal(got[1:2, :, -3:-1], step[0][1:2])  # the long one is rounded
 
 
 def test_a_mixed_batch_round_trips_through_state():
