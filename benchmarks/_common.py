@@ -1,0 +1,187 @@
+"""Helpers shared by the benchmark scripts (not a benchmark itself).
+
+Each script runs as ``python benchmarks/NAME.py`` from the repository root.
+The package does not have to be installed: the repository root goes first on
+``sys.path``, so the working tree's ``mlx_lm_mla`` is the one measured. If a
+copy is also installed in the virtualenv, its start-up hook
+(``mlx_lm_mla.pth`` -> ``activate.watch()``) has already imported that copy
+and would call ``install()`` when ``mlx_lm`` is imported; both are undone
+here, so each benchmark installs (or not) explicitly and measures this tree.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+for _name in [m for m in sys.modules if m == "mlx_lm_mla" or m.startswith("mlx_lm_mla.")]:
+    if not str(getattr(sys.modules[_name], "__file__", "")).startswith(str(ROOT)):
+        del sys.modules[_name]
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_AfterImport"]
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Real layer shapes (config.json of the released checkpoints).
+GLM_4_7_FLASH = dict(
+    name="GLM-4.7-Flash",
+    layers=47,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    heads=20,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+)
+DEEPSEEK_V3 = dict(
+    name="DeepSeek-V3",
+    layers=61,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    heads=128,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+)
+
+
+def versions():
+    import mlx.core as mx
+    import mlx_lm
+
+    import mlx_lm_mla
+
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "mlx_lm_mla": mlx_lm_mla.__version__,
+        "mlx_lm_mla_path": str(Path(mlx_lm_mla.__file__).parent),
+        "python": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus",
+        "device": str(mx.default_device()),
+    }
+
+
+def git_state():
+    """The commit measured, and whether the package has uncommitted changes."""
+    import subprocess
+
+    def git(*a):
+        try:
+            return subprocess.run(
+                ["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "package_changes_uncommitted": git("status", "--porcelain", "--", "mlx_lm_mla"),
+    }
+
+
+def cache_arrays(cache):
+    """Every array in a cache's state (what save_prompt_cache stores)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return [x for _, x in tree_flatten(cache.state) if isinstance(x, mx.array)]
+
+
+def load_average():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def active_memory():
+    import mlx.core as mx
+
+    get = getattr(mx, "get_active_memory", None) or mx.metal.get_active_memory
+    return get()
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def write_json(path, name, args, payload, started):
+    path = Path(path) if path else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "versions": versions(),
+        "git": git_state(),
+        "args": vars(args),
+        "seconds": round(time.perf_counter() - started, 1),
+        "load_average_1min_at_end": load_average(),
+        **payload,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+    return path
+
+
+def table(rows, columns, file=None):
+    """Prints rows (dicts) as an aligned text table. columns: (key, title, fmt)."""
+    cells = [[title for _, title, _ in columns]]
+    for r in rows:
+        line = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            line.append("-" if v is None else (fmt.format(v) if fmt else str(v)))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    out = file or sys.stdout
+    for n, line in enumerate(cells):
+        print(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(line, widths))
+            ),
+            file=out,
+        )
+        if n == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+    out.flush()
+
+
+def progress(iterable=None, total=None, desc=None):
+    """tqdm on stderr if it is installed (it comes with mlx-lm), else a plain
+    counter."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False)
+    except ImportError:  # pragma: no cover
+        return _Plain(iterable, total, desc)
+
+
+class _Plain:
+    def __init__(self, iterable, total, desc):
+        self.iterable, self.total, self.desc, self.n = iterable, total, desc, 0
+
+    def __iter__(self):
+        for x in self.iterable:
+            yield x
+            self.update()
+
+    def update(self, n=1):
+        self.n += n
+        print(f"\r{self.desc}: {self.n}/{self.total}", end="", file=sys.stderr)
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        print(file=sys.stderr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()

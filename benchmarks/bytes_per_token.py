@@ -1,0 +1,276 @@
+"""Cache bytes per token at real MLA layer widths, against the exact floor.
+
+For GLM-4.7-Flash and DeepSeek-V3 layer shapes, fills one layer's cache with
+random arrays of the real widths the way generation does (a prefill in chunks
+of 2048 tokens, then --tail single-token decode steps; quantized caches are
+quantized after the prefill, as ``quantized_kv_start`` does) and multiplies by
+the number of layers. No model weights are needed. Measured per cache:
+
+- ``nbytes`` (what the cache reports, what mlx-lm's prompt-cache LRU counts);
+- the growth of MLX's active memory while building it (what it really holds,
+  including buffers kept alive by views).
+
+Compared against the floor, the exact bytes of the stored elements (latent +
+RoPE key in the model dtype; or packed latent + scales + biases + RoPE key).
+Target for our caches: at most 1 % over the floor plus one growth step (256
+tokens) of padding.
+
+Also: a batch of sequences of different lengths merged into a
+``BatchMLALatentCache`` (left padded to the longest), bytes per real token.
+
+    python benchmarks/bytes_per_token.py
+    python benchmarks/bytes_per_token.py --tokens 1000 4096 32768 --batch 4000 2800 1200 200
+"""
+
+import argparse
+import gc
+import sys
+import time
+
+import _common  # noqa: F401  (puts the repository root on sys.path)
+from _common import DEEPSEEK_V3, GLM_4_7_FLASH, active_memory, cache_arrays, table, write_json
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlx_lm_mla import BatchMLALatentCache, MLALatentCache
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+STEP = 256  # the growth step of mlx-lm's KVCache and of our caches
+PREFILL_STEP = 2048
+
+
+def floor_bytes(shape, dtype_bytes, bits=None, group_size=64):
+    """Exact bytes per token per layer of the stored elements."""
+    lat, rope = shape["kv_lora_rank"], shape["qk_rope_head_dim"]
+    if bits is None:
+        return (lat + rope) * dtype_bytes
+    return lat * bits / 8 + 2 * (lat // group_size) * dtype_bytes + rope * dtype_bytes
+
+
+def expanded_bytes(shape, dtype_bytes):
+    """Per token per layer of standard attention's per-head K and V."""
+    h = shape["heads"]
+    return h * (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"] + shape["v_head_dim"]) * dtype_bytes
+
+
+def _eval_cache(cache):
+    mx.eval(cache_arrays(cache))
+
+
+def fill(cache, widths, rows, n, tail, dtype, bits=None, group_size=64):
+    """Writes n tokens: prefill of n - tail in chunks, then tail single steps.
+    widths: (key width, value width), heads: from widths[2] (1 for MLA)."""
+    kw, vw, heads = widths
+    prefill = max(n - tail, 0)
+    done = 0
+    while done < prefill:
+        L = min(PREFILL_STEP, prefill - done)
+        k = mx.random.normal((rows, heads, L, kw)).astype(dtype)
+        v = mx.random.normal((rows, heads, L, vw)).astype(dtype)
+        out = cache.update_and_fetch(k, v)
+        mx.eval(out)
+        del k, v, out
+        _eval_cache(cache)
+        done += L
+    if bits is not None:
+        cache = cache.to_quantized(group_size=group_size, bits=bits)
+        _eval_cache(cache)
+    while done < n:
+        k = mx.random.normal((rows, heads, 1, kw)).astype(dtype)
+        v = mx.random.normal((rows, heads, 1, vw)).astype(dtype)
+        out = cache.update_and_fetch(k, v)
+        mx.eval(out)
+        del k, v, out
+        _eval_cache(cache)
+        done += 1
+    return cache
+
+
+def measure(build):
+    """(cache, nbytes, active-memory growth) of the cache that build() makes."""
+    gc.collect()
+    before = active_memory()
+    cache = build()
+    gc.collect()
+    held = active_memory() - before
+    return cache, cache.nbytes, held
+
+
+def single_rows(shape, n, args, dtype):
+    dbytes = mx.zeros((1,), dtype).itemsize
+    lat, rope = shape["kv_lora_rank"], shape["qk_rope_head_dim"]
+    layers = shape["layers"]
+    rows = []
+
+    def row(cache_name, nbytes, held, floor, target=True, note=""):
+        allowed = 1.01 * floor * n + floor * STEP
+        per_layer = nbytes / n
+        return dict(
+            model=shape["name"],
+            tokens=n,
+            cache=cache_name,
+            bytes_per_token=per_layer * layers,
+            held_per_token=None if held is None else held / n * layers,
+            floor_per_token=floor * layers,
+            ratio=nbytes / (floor * n),
+            held_ratio=None if held is None else held / (floor * n),
+            allowed_ratio=allowed / (floor * n) if target else None,
+            met=(max(nbytes, held or 0) <= allowed) if target else None,
+            note=note,
+        )
+
+    for bits in (None, 8, 4):
+        floor = floor_bytes(shape, dbytes, bits, args.group_size)
+        _, nb, held = measure(
+            lambda: fill(MLALatentCache(group_size=args.group_size), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+        )
+        name = f"MLALatentCache {bits}-bit" if bits else f"MLALatentCache {args.dtype}"
+        rows.append(row(name, nb, held, floor))
+
+    floor = floor_bytes(shape, dbytes)
+    _, nb, held = measure(lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype))
+    rows.append(row("stock KVCache, latent", nb, held, floor, note="keys=latent, values=rope"))
+
+    per_tok = expanded_bytes(shape, dbytes)
+    if per_tok * n <= args.max_alloc_mb * 2**20:
+        widths = (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"], shape["v_head_dim"], shape["heads"])
+        _, nb, held = measure(lambda: fill(KVCache(), widths, 1, n, args.tail, dtype))
+        note = "allocated"
+    else:
+        cap = -(-n // STEP) * STEP
+        nb, held, note = per_tok * cap, None, "computed (too big to allocate)"
+    rows.append(row("stock KVCache, expanded K/V", nb, held, floor, target=False, note=note))
+    return rows
+
+
+def batch_rows(shape, lengths, args, dtype):
+    dbytes = mx.zeros((1,), dtype).itemsize
+    lat, rope = shape["kv_lora_rank"], shape["qk_rope_head_dim"]
+    layers = shape["layers"]
+    real = sum(lengths)
+    rows = []
+    variants = [(f"BatchMLALatentCache {args.dtype}", None), ("BatchMLALatentCache 8-bit", 8), ("BatchMLALatentCache 4-bit", 4), ("stock BatchKVCache, latent", "stock")]
+    for name, bits in variants:
+        qbits = None if bits == "stock" else bits
+        floor = floor_bytes(shape, dbytes, qbits, args.group_size)
+
+        def singles():
+            out = []
+            for n in lengths:
+                c = KVCache() if bits == "stock" else MLALatentCache(group_size=args.group_size)
+                c = fill(c, (lat, rope, 1), 1, n, 0, dtype)
+                if qbits:
+                    c.to_quantized(group_size=args.group_size, bits=qbits)
+                out.append(c)
+            mx.eval([cache_arrays(c) for c in out])
+            return out
+
+        caches = singles()
+        cls = BatchKVCache if bits == "stock" else BatchMLALatentCache
+        batch, nb, held = measure(lambda: _merged(cls, caches))
+        del caches
+        gc.collect()
+        stages = [("merged", real, nb, held)]
+        # Then every row decodes args.tail tokens together.
+        for _ in range(args.tail):
+            k = mx.random.normal((len(lengths), 1, 1, lat)).astype(dtype)
+            v = mx.random.normal((len(lengths), 1, 1, rope)).astype(dtype)
+            mx.eval(batch.update_and_fetch(k, v))
+        _eval_cache(batch)
+        stages.append((f"+{args.tail} decode steps", real + args.tail * len(lengths), batch.nbytes, None))
+        for stage, tokens, nbytes, held_b in stages:
+            rows.append(
+                dict(
+                    model=shape["name"],
+                    cache=name,
+                    stage=stage,
+                    lengths=" ".join(map(str, lengths)),
+                    real_tokens=tokens,
+                    # rows x positions allocated, padding and spare capacity included
+                    stored_positions=round(nbytes / floor),
+                    bytes_per_real_token=nbytes / tokens * layers,
+                    floor_per_token=floor * layers,
+                    ratio=nbytes / (floor * tokens),
+                    held_ratio=None if held_b is None else held_b / (floor * tokens),
+                    padding_share=1 - tokens / (nbytes / floor) if nbytes else None,
+                )
+            )
+        del batch
+        gc.collect()
+    return rows
+
+
+def _merged(cls, caches):
+    b = cls.merge(caches)
+    _eval_cache(b)
+    return b
+
+
+def main():
+    started = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1000, 4096], help="sequence lengths N (default: 1000 4096)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1000, 700, 300, 50], help="lengths of the merged batch rows")
+    p.add_argument("--tail", type=int, default=16, help="single-token decode steps after the prefill (default: 16)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--max-alloc-mb", type=float, default=1024, help="compute stock expanded K/V arithmetically above this size")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/bytes_per_token.json")
+    args = p.parse_args()
+    dtype = DTYPES[args.dtype]
+    mx.random.seed(0)
+
+    # The first allocations of a process (the random generator's key, ...)
+    # would be counted as held by the first cache measured.
+    for bits in (None, 8, 4):
+        measure(lambda: fill(MLALatentCache(), (64, 64, 1), 1, 300, args.tail, dtype, bits))
+    measure(lambda: fill(KVCache(), (64, 64, 1), 1, 300, args.tail, dtype))
+
+    single, batch = [], []
+    for shape in (GLM_4_7_FLASH, DEEPSEEK_V3):
+        for n in args.tokens:
+            print(f"{shape['name']}, N={n} ...", file=sys.stderr, flush=True)
+            single += single_rows(shape, n, args, dtype)
+        print(f"{shape['name']}, batch {args.batch} ...", file=sys.stderr, flush=True)
+        batch += batch_rows(shape, args.batch, args, dtype)
+
+    print(f"\nBytes per token, whole model ({args.dtype}; prefill N-{args.tail} in chunks of {PREFILL_STEP}, then {args.tail} decode steps)")
+    print("ratio = nbytes / floor; held = growth of MLX active memory / floor; allowed = 1% + one 256-token step\n")
+    table(
+        single,
+        [
+            ("model", "model", None),
+            ("tokens", "N", "{:,}"),
+            ("cache", "cache", None),
+            ("bytes_per_token", "bytes/token", "{:,.0f}"),
+            ("floor_per_token", "floor", "{:,.0f}"),
+            ("ratio", "ratio", "{:.4f}"),
+            ("held_ratio", "held", "{:.4f}"),
+            ("allowed_ratio", "allowed", "{:.4f}"),
+            ("met", "target", None),
+            ("note", "note", None),
+        ],
+    )
+    print(f"\nBatch of {len(args.batch)} rows merged (lengths {args.batch}), bytes per real token (whole model)\n")
+    table(
+        batch,
+        [
+            ("model", "model", None),
+            ("cache", "cache", None),
+            ("stage", "stage", None),
+            ("real_tokens", "real tok", "{:,}"),
+            ("stored_positions", "positions held", "{:,}"),
+            ("bytes_per_real_token", "bytes/real tok", "{:,.0f}"),
+            ("floor_per_token", "floor", "{:,.0f}"),
+            ("ratio", "ratio", "{:.3f}"),
+            ("held_ratio", "held", "{:.3f}"),
+            ("padding_share", "padding", "{:.1%}"),
+        ],
+    )
+    path = write_json(args.json, "bytes_per_token", args, {"single": single, "batch": batch}, started)
+    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
