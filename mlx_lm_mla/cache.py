@@ -398,8 +398,9 @@ class MLALatentCache(_Store, _Protocol):
         config = _config(
             self.group_size, self.latent_bits or self.quantize_bits, self.quantize_after
         )
+        # An emptied cache saves no arrays: mlx 0.31 cannot write empty ones.
         return [config, mx.array(int(self.quantized))] + [
-            p[..., : self.offset, :] for p in self._parts()
+            p[..., : self.offset, :] for p in self._parts() if self.offset
         ]
 
     @state.setter
@@ -636,7 +637,8 @@ class BatchMLALatentCache(_Protocol):
     def finalize(self):
         # Right padded prompts leave junk at the end of short rows; rolling it
         # to the front turns it into left padding.
-        if self._right_padding is None:
+        if self._right_padding is None or self.empty():
+            self._right_padding = None
             return
         shifts = self._right_padding
         for q, g in enumerate(self._groups):
@@ -670,6 +672,11 @@ class BatchMLALatentCache(_Protocol):
 
     def quantize_rows(self, rows):
         """Quantizes the latent of the given rows in place (once per row)."""
+        if self.latent_bits is None:
+            raise ValueError(
+                "BatchMLALatentCache.quantize_rows: no bits set; use "
+                "to_quantized(group_size, bits) or create the cache with bits"
+            )
         in_quant = list(self._in_quant)
         for b in rows:
             in_quant[b] = True
@@ -810,7 +817,7 @@ class BatchMLALatentCache(_Protocol):
         config = _config(self.group_size, self.latent_bits, self.quantize_after)
         in_quant = mx.array([int(q) for q in self._in_quant], dtype=mx.int32)
         parts = []
-        if self._template() is not None:
+        if self._template() is not None and self._idx:
             for g in self._groups:
                 if g.count:
                     parts += [p[..., : self._idx, :] for p in g._parts()]
