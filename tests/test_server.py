@@ -38,7 +38,7 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
     @pytest.mark.parametrize("bits", KV_BITS)
     def test_sixty_sequential_requests_with_kv_quantization_all_succeed(bits, model_path):
         with Server(model_path, "--decode-concurrency", 4, *kv_flags(bits)) as server:
-            results = serve_sequentially(server, 60 if bits == 4 else 20, max_tokens=200)
+            results = serve_sequentially(server, 60, max_tokens=200)
         assert all(len(text) > 0 for text, _ in results)
         assert all(cached_tokens(usage) > 0 for _, usage in results[1:])
 
