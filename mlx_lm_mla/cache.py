@@ -451,8 +451,6 @@ class BatchMLALatentCache(_Protocol):
         quantize_after (int, optional): Per-row quantization threshold.
     """
 
-    step = 256
-
     def __init__(
         self,
         left_padding: List[int],
