@@ -337,9 +337,8 @@ class MLALatentCache(_Store, _Protocol):
         _check_pair(
             name, latent, rope, self.keys.shape[0] if self.keys is not None else None
         )
-        bits = self.latent_bits or self.quantize_bits
-        if bits is not None:
-            _check_quant_params(name, self.group_size, bits, latent.shape[-1])
+        if self._bits() is not None:
+            _check_quant_params(name, self.group_size, self._bits(), latent.shape[-1])
         if self.keys is not None:
             _check_widths(name, latent, rope, self._specs())
         self._write(self.offset, latent, rope)
@@ -389,15 +388,16 @@ class MLALatentCache(_Store, _Protocol):
         """The latent and the RoPE key held, as arrays (like KVCache's)."""
         return self._read(self.offset)
 
+    def _bits(self):
+        """The bits it is, or will be, quantized with."""
+        return self.latent_bits or self.quantize_bits
+
     def _quant_setting(self):
-        bits = self.latent_bits or self.quantize_bits
-        return (self.group_size, bits) if bits is not None else None
+        return (self.group_size, self._bits()) if self._bits() is not None else None
 
     @property
     def state(self):
-        config = _config(
-            self.group_size, self.latent_bits or self.quantize_bits, self.quantize_after
-        )
+        config = _config(self.group_size, self._bits(), self.quantize_after)
         # An emptied cache saves no arrays: mlx 0.31 cannot write empty ones.
         return [config, mx.array(int(self.quantized))] + [
             p[..., : self.offset, :] for p in self._parts() if self.offset
@@ -587,7 +587,7 @@ class BatchMLALatentCache(_Protocol):
         self._idx += latent.shape[2]
         result = self._read()
         # Like quantized_kv_start: this step ran exact, the next ones do not.
-        if self.quantize_after is not None:
+        if self.quantize_after is not None and not all(self._in_quant):
             held = self.offset
             if self._right_padding is not None:  # a ragged prompt: junk is not held
                 held = held - self._right_padding
