@@ -13,6 +13,11 @@ class build_py_with_pth(build_py):
     def run(self):
         super().run()
         self.copy_file(str(here / PTH), str(Path(self.build_lib) / PTH))
+        if getattr(self, "editable_mode", False):
+            # pip install -e: setuptools puts only install_lib's files (the
+            # unpacked wheel) into site-packages, not build_lib's.
+            wheel = self.distribution.get_command_obj("install").install_lib
+            self.copy_file(str(here / PTH), str(Path(wheel) / PTH))
 
     def get_outputs(self, include_bytecode=True):
         return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH)]

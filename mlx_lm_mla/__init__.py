@@ -1,7 +1,7 @@
 """MLA-aware caches for mlx-lm.
 
     import mlx_lm_mla
-    mlx_lm_mla.install()   # every MLA model mlx-lm loads now gets latent caches
+    mlx_lm_mla.install()   # MLA caches quantize their latent, in place
 
 Importing this package is cheap: the caches and the patches load on first
 use, so the start-up hook (``activate.py``) costs next to nothing.
@@ -12,8 +12,10 @@ import importlib
 from ._version import __version__
 
 _EXPORTS = {
-    "MLALatentCache": "cache",
-    "BatchMLALatentCache": "cache",
+    "QuantizedLatentCache": "cache",
+    "BatchQuantizedLatentCache": "cache",
+    "QuantizedRotatingLatentCache": "window",
+    "quantize_latent": "cache",
     "install": "patch",
     "installed": "patch",
     "uninstall": "patch",

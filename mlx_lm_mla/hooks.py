@@ -1,23 +1,26 @@
-"""Which caches an MLA model should get.
+"""Hooks on stock mlx-lm for MLA models; ``patch.py`` applies them.
 
-Found from the model itself, not from a fixed list: an attention module that
-has a ``kv_lora_rank`` and the absorbed projections ``embed_q`` and
-``unembed_out`` caches a latent. Models with ``kv_lora_rank`` that expand the
-latent to per-head K/V (``deepseek_v2``, ``minicpm3``) have no ``embed_q``
-and keep their caches. Nothing here patches anything; ``patch.py`` does.
+MLA models keep stock's caches (``KVCache``, ``RotatingKVCache``,
+``BatchKVCache``): other programs know those classes by name, and they serve
+a plain latent well. The hooks act where stock goes wrong, at quantization.
+
+Which models cache a latent is found from the model itself: an attention
+module with a ``kv_lora_rank`` and the absorbed projections ``embed_q`` and
+``unembed_out``. ``deepseek_v2`` and ``minicpm3`` expand the latent to
+per-head K/V and have no ``embed_q``.
 """
 
 import importlib
 import pkgutil
 from pathlib import Path
 
-from .cache import BatchMLALatentCache, MLALatentCache
-
-
-# mlx-lm is imported on use, not here: the start-up hook runs install() while
-# mlx_lm itself is importing (see activate.py).
-def _upstream():
-    return importlib.import_module("mlx_lm.models.cache")
+from .cache import (
+    BatchQuantizedLatentCache,
+    _PackedLatent,
+    extend_latent,
+    is_latent_layout,
+    quantize_latent,
+)
 
 
 def is_latent_attention(module) -> bool:
@@ -57,42 +60,6 @@ def candidate_model_types():
     return sorted(found)
 
 
-def with_latent_caches(model, caches):
-    """Returns caches with a ``MLALatentCache`` in place of the plain
-    ``KVCache`` of every latent-caching attention. ``CacheList`` layers get
-    only their latent members replaced (the DSA indexer keeps its cache);
-    other caches, such as the ``ArraysCache`` of linear layers, are kept."""
-    up = _upstream()
-    settings = vars(model).get("_mlx_lm_mla_kv", {})
-    layers = list(model.layers)
-    # Extra caches come first (LongCat n-gram keeps one before the layers).
-    start = len(caches) - len(layers)
-    if start < 0:
-        return caches
-    caches = list(caches)
-    for i, layer in enumerate(layers):
-        n = count_latent_attention(layer)
-        if n == 0:
-            continue
-        c = caches[start + i]
-        if type(c) is up.KVCache:
-            caches[start + i] = MLALatentCache(**settings)
-        elif isinstance(c, up.CacheList):
-            members = list(c.caches)
-            for j, m in enumerate(members):
-                if n > 0 and type(m) is up.KVCache:
-                    members[j] = MLALatentCache(**settings)
-                    n -= 1
-            caches[start + i] = up.CacheList(*members)
-    return caches
-
-
-def holds_latent_cache(cache) -> bool:
-    if isinstance(cache, _upstream().CacheList):
-        return any(holds_latent_cache(c) for c in cache.caches)
-    return isinstance(cache, MLALatentCache)
-
-
 def has_latent_attention(model) -> bool:
     # Found once per model instance; the layers do not change.
     found = vars(model).get("_mlx_lm_mla_latent")
@@ -102,95 +69,97 @@ def has_latent_attention(model) -> bool:
     return found
 
 
-def make_cache_hook(original):
-    """Wraps a model class's own ``make_cache`` so latent attention layers
-    get latent caches."""
-
-    def make_cache(self):
-        return with_latent_caches(self, original(self))
-
-    make_cache.mlx_lm_mla_original = original
-    return make_cache
+# --- stock caches, fixed where they are quantized --------------------------
 
 
-class DefaultLatentCaches:
-    """``make_cache`` for a model class that has none.
+def latent_to_quantized(original):
+    """``to_quantized`` of a stock cache: a cache that holds an MLA latent
+    quantizes it in place; any other cache does what upstream does."""
 
-    It exists only on instances that cache a latent: for the others
-    ``hasattr(model, "make_cache")`` stays False, so ``make_prompt_cache``
-    keeps its default, ``max_kv_size`` included."""
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        if is_latent_layout(self):
+            return quantize_latent(self, group_size, bits)
+        return original(self, group_size, bits)
 
-    mlx_lm_mla_original = None
-
-    def __get__(self, model, owner=None):
-        if model is None:
-            return self
-        if not has_latent_attention(model):
-            raise AttributeError("make_cache")
-
-        def make_cache():
-            plain = [_upstream().KVCache() for _ in model.layers]
-            return with_latent_caches(model, plain)
-
-        return make_cache
+    to_quantized.mlx_lm_mla_original = original
+    return to_quantized
 
 
-def batch_cache_hook(original):
-    """Wraps mlx-lm 0.31's ``generate._make_cache``, which only knows the
-    upstream cache types: latent caches become ``BatchMLALatentCache`` and
-    everything else goes through the original."""
+def latent_merge(original, owner):
+    """``BatchKVCache.merge`` that batches quantized latent caches (with any
+    exact ones among them) into a quantized batch."""
 
-    def _make_cache(model, left_padding, max_kv_size):
-        make = getattr(model, "make_cache", None)
-        caches = make() if make is not None else None
-        if caches is None or not any(holds_latent_cache(c) for c in caches):
-            return original(model, left_padding, max_kv_size)
-        shim = _CacheShim(model.layers, [_as_plain(c) for c in caches])
-        batch = original(shim, left_padding, max_kv_size)
-        return [_as_batch(c, b, left_padding) for c, b in zip(caches, batch)]
+    def merge(cls, caches):
+        if cls is owner and any(isinstance(c, _PackedLatent) for c in caches):
+            return BatchQuantizedLatentCache.merge(caches)
+        return original(cls, caches)
 
-    _make_cache.mlx_lm_mla_original = original
-    return _make_cache
+    merge.mlx_lm_mla_original = original
+    return merge
 
 
-class _CacheShim:
-    """Stands in for the model so upstream code converts the other caches."""
+def refuse_quantized_merge(original):
+    """``BatchRotatingKVCache.merge``, which would batch the bytes of a
+    quantized window and hand them to the model."""
 
-    def __init__(self, layers, caches):
-        self.layers = layers
-        self._caches = caches
-
-    def make_cache(self):
-        return self._caches
-
-
-def _as_plain(cache):
-    up = _upstream()
-    if isinstance(cache, MLALatentCache):
-        return up.KVCache()
-    if isinstance(cache, up.CacheList):
-        return up.CacheList(*(_as_plain(c) for c in cache.caches))
-    return cache
-
-
-def _as_batch(single, converted, left_padding):
-    if isinstance(single, MLALatentCache):
-        return BatchMLALatentCache(left_padding, single.group_size, single.latent_bits)
-    up = _upstream()
-    if isinstance(single, up.CacheList):
-        return up.CacheList(
-            *(
-                _as_batch(s, c, left_padding)
-                for s, c in zip(single.caches, converted.caches)
+    def merge(cls, caches):
+        if any(isinstance(c, _PackedLatent) for c in caches):
+            raise ValueError(
+                f"{cls.__name__}.merge: a quantized rolling window cannot be batched"
             )
-        )
-    return converted
+        return original(cls, caches)
+
+    merge.mlx_lm_mla_original = original
+    return merge
+
+
+def latent_extend(original):
+    """``BatchKVCache.extend``: a batch that takes quantized rows is
+    quantized first, so one batch holds one precision."""
+
+    def extend(self, other):
+        if isinstance(other, _PackedLatent) and not isinstance(self, _PackedLatent):
+            return extend_latent(self, other, None)
+        return original(self, other)
+
+    extend.mlx_lm_mla_original = original
+    return extend
+
+
+def quantize_batches(caches, group_size, bits, start):
+    """Quantizes, in place, each plain batch cache that holds an MLA latent
+    once its longest row (``_idx``, no host sync) holds ``start`` tokens."""
+    for c in caches:
+        if (
+            not isinstance(c, _PackedLatent)
+            and isinstance(getattr(c, "_idx", None), int)
+            and c._idx >= start
+            and is_latent_layout(c)
+        ):
+            quantize_latent(c, group_size, bits)
+
+
+def quantizing_next(original):
+    """``BatchGenerator._next`` that quantizes the batches of an MLA model
+    served with ``--kv-bits`` (see ``batchable_with_kv_bits``)."""
+
+    def _next(self):
+        result = original(self)
+        settings = vars(self.model).get("_mlx_lm_mla_kv")
+        if settings is not None:
+            for name in ("_prompt_batch", "_generation_batch"):
+                batch = getattr(self, name, None)
+                quantize_batches(getattr(batch, "prompt_cache", []), *settings)
+        return result
+
+    _next.mlx_lm_mla_original = original
+    return _next
 
 
 def batchable_with_kv_bits(original):
     """``ResponseGenerator._is_batchable`` that keeps batching MLA models when
     ``--kv-bits`` is set. Upstream refuses, since its quantized cache cannot
-    batch; latent caches can, each row quantized once it holds
+    batch; a latent batch can, quantized once its longest row holds
     ``--quantized-kv-start`` tokens. Other models keep upstream behaviour."""
 
     def _is_batchable(self, args):
@@ -206,11 +175,7 @@ def batchable_with_kv_bits(original):
             return False
         if not (provider.is_batchable and has_latent_attention(model)):
             return False
-        settings = dict(
-            group_size=cli.kv_group_size,
-            bits=cli.kv_bits,
-            quantize_after=cli.quantized_kv_start,
-        )
+        settings = (cli.kv_group_size, cli.kv_bits, cli.quantized_kv_start)
         object.__setattr__(model, "_mlx_lm_mla_kv", settings)
         return True
 

@@ -14,7 +14,8 @@ import types
 import warnings
 
 from . import faults, guards, hooks
-from .cache import BatchMLALatentCache, MLALatentCache
+from .cache import QUANTIZED_LATENT
+from .window import QuantizedRotatingLatentCache  # noqa: F401 (registers it)
 
 # Tested range of mlx-lm: [low, high).
 SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))
@@ -61,29 +62,26 @@ def _wrap(owner, name, wrapper):
         _set(owner, name, wrapper(getattr(owner, name)))
 
 
+def _wrap_classmethod(owner, name, wrapper):
+    _set(owner, name, classmethod(wrapper(vars(owner)[name].__func__)))
+
+
 def _install_caches(cache_module):
+    # Models keep stock's caches; the fix is where stock quantizes them.
     # load_prompt_cache and CacheList look cache classes up by name here.
-    for cls in (MLALatentCache, BatchMLALatentCache):
+    for cls in QUANTIZED_LATENT.values():
         _set(cache_module, cls.__name__, cls)
-
-    for name in hooks.candidate_model_types():
-        try:
-            module = importlib.import_module(f"mlx_lm.models.{name}")
-        except Exception as e:  # a model with optional dependencies
-            logging.debug("mlx-lm-mla: skipping %s: %s", name, e)
-            continue
-        cls = getattr(module, "Model", None)
-        current = getattr(cls, "make_cache", None)
-        if cls is None or hasattr(current, "mlx_lm_mla_original"):
-            continue  # no model here, or it inherits a hooked make_cache
-        if current is None:
-            _set(cls, "make_cache", hooks.DefaultLatentCaches())
-        else:
-            _set(cls, "make_cache", hooks.make_cache_hook(current))
-
-    # mlx-lm 0.31 builds batch caches from a fixed list of types.
+    for owner in (cache_module.KVCache, cache_module.RotatingKVCache):
+        _wrap(owner, "to_quantized", hooks.latent_to_quantized)
+    batch = cache_module.BatchKVCache
+    _wrap_classmethod(batch, "merge", lambda f: hooks.latent_merge(f, batch))
+    _wrap(batch, "extend", hooks.latent_extend)
+    _wrap_classmethod(
+        cache_module.BatchRotatingKVCache, "merge", hooks.refuse_quantized_merge
+    )
+    # mlx_lm.server --kv-bits batches MLA models (see _install_reuse_guards).
     generate = importlib.import_module("mlx_lm.generate")
-    _wrap(generate, "_make_cache", hooks.batch_cache_hook)
+    _wrap(getattr(generate, "BatchGenerator", None), "_next", hooks.quantizing_next)
 
 
 def _install_reuse_guards(cache_module):
@@ -117,29 +115,29 @@ def _install_reuse_guards(cache_module):
         _wrap(generator, "_generate", guards.supervised_generate)
 
 
-def _install_faults():
-    """Test mode: MLX_LM_MLA_FAULT=point:n (see faults.py)."""
+def _install_faults(cache_module):
+    """Test mode: MLX_LM_MLA_FAULT=point:n (see faults.py). The points are
+    the operations of the caches an MLA model gets, exact or quantized."""
     trigger = faults.make_trigger()
     if trigger is None:
         return
-    # A batch quantizes its rows through quantize_rows.
+    single, batch = cache_module.KVCache, cache_module.BatchKVCache
     points = [
-        (MLALatentCache, "update_and_fetch", "update_and_fetch"),
-        (MLALatentCache, "trim", "trim"),
-        (MLALatentCache, "to_quantized", "to_quantized"),
-        (BatchMLALatentCache, "update_and_fetch", "update_and_fetch"),
-        (BatchMLALatentCache, "trim", "trim"),
-        (BatchMLALatentCache, "extract", "extract"),
-        (BatchMLALatentCache, "filter", "filter"),
-        (BatchMLALatentCache, "extend", "extend"),
-        (BatchMLALatentCache, "quantize_rows", "to_quantized"),
+        (single, "update_and_fetch"),
+        (single, "trim"),
+        (batch, "update_and_fetch"),
+        (batch, "trim"),
+        (batch, "extract"),
+        (batch, "filter"),
+        (batch, "extend"),
     ]
-    for cls, name, point in points:
-        _set(cls, name, faults.wrap(vars(cls)[name], point, trigger))
-    merge = vars(BatchMLALatentCache)["merge"].__func__
-    _set(
-        BatchMLALatentCache, "merge", classmethod(faults.wrap(merge, "merge", trigger))
-    )
+    for owner, name in points:
+        _set(owner, name, faults.wrap(getattr(owner, name), name, trigger))
+    merge = vars(batch)["merge"].__func__
+    _set(batch, "merge", classmethod(faults.wrap(merge, "merge", trigger)))
+    # Every quantization of a latent, single or batch, goes through this.
+    quantize = hooks.quantize_latent
+    _set(hooks, "quantize_latent", faults.wrap(quantize, "to_quantized", trigger))
 
 
 def install():
@@ -167,7 +165,7 @@ def install():
     cache_module = importlib.import_module("mlx_lm.models.cache")
     _install_caches(cache_module)
     _install_reuse_guards(cache_module)
-    _install_faults()
+    _install_faults(cache_module)
     return installed()
 
 

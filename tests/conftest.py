@@ -1,5 +1,6 @@
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
 
@@ -16,9 +17,21 @@ def rows(L, B=1, seed=None, dtype=mx.float32):
     return latent, rope
 
 
+def filled(cache, L, B=1, seed=0, dtype=mx.float32):
+    """cache after one update of L random latent tokens; returns (cache, data)."""
+    data = rows(L, B, seed, dtype)
+    cache.update_and_fetch(*data)
+    return cache, data
+
+
+def latent_kv(L, seed=0, dtype=mx.float32):
+    """A stock KVCache holding L tokens in the MLA latent layout."""
+    return filled(KVCache(), L, seed=seed, dtype=dtype)[0]
+
+
 @pytest.fixture
 def installed():
-    """mlx-lm with the MLA caches active, restored afterwards."""
+    """mlx-lm with the fix active, restored afterwards."""
     mlx_lm_mla.install()
     yield
     mlx_lm_mla.uninstall()

@@ -1,149 +1,222 @@
-"""Quantized latent mode: in place, idempotent, and always arrays out."""
+"""The latent-quantized caches: stock caches turned, in place, into caches
+that keep the latent packed and always hand the model arrays."""
+
+import copy
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from mlx_lm_mla import BatchMLALatentCache, MLALatentCache
+from mlx_lm_mla import (
+    BatchQuantizedLatentCache,
+    QuantizedLatentCache,
+    QuantizedRotatingLatentCache,
+    quantize_latent,
+)
 
-from conftest import rows
+from conftest import LATENT, ROPE, filled, latent_kv, rows
 
-
-def filled(n=10, seed=0):
-    cache = MLALatentCache()
-    cache.update_and_fetch(*rows(n, seed=seed))
-    return cache
-
-
-def test_to_quantized_returns_the_same_object():
-    cache = filled()
-    holders = [cache]
-    sliced_copy = holders[:]  # LM Studio's engine replaces a slice copy
-    sliced_copy[0] = cache.to_quantized(group_size=64, bits=4)
-    assert sliced_copy[0] is cache and holders[0].quantized
+# One quantization step of a group of normal values, with margin.
+STEP = {8: 0.05, 4: 0.8}
 
 
-def test_to_quantized_is_idempotent():
-    cache = filled().to_quantized(bits=8)
-    before = cache.state
-    assert cache.to_quantized(bits=8) is cache
-    assert cache.to_quantized(bits=4).latent_bits == 8  # never requantized
-    assert all(mx.array_equal(a, b) for a, b in zip(before, cache.state))
+def test_quantizing_keeps_the_same_object(installed):
+    cache = latent_kv(10)
+    assert cache.to_quantized(group_size=64, bits=4) is cache
+    assert type(cache) is QuantizedLatentCache
 
 
-def rounding_bound(x, bits, group_size=64):
-    """Largest error of MLX's affine quantization: it keeps zero exact, so the
-    error stays within one step of the group (not half a step)."""
-    groups = x.reshape(*x.shape[:-1], -1, group_size)
-    step = (groups.max(axis=-1) - groups.min(axis=-1)) / (2**bits - 1)
-    return (step.max() * 1.01).item()
+@pytest.mark.parametrize("bits", [4, 8])
+def test_update_returns_arrays_close_to_what_went_in(bits, installed):
+    cache, (latent, rope) = filled(KVCache(), 10)
+    cache.to_quantized(64, bits)
+    more = rows(3, seed=1)
+    got_latent, got_rope = cache.update_and_fetch(*more)
+    assert isinstance(got_latent, mx.array) and isinstance(got_rope, mx.array)
+    assert got_latent.shape == (1, 1, 13, LATENT) and got_rope.shape == (1, 1, 13, ROPE)
+    expected = mx.concatenate([latent, more[0]], axis=2)
+    assert mx.abs(got_latent - expected).max().item() < STEP[bits]
+    # the RoPE key stays exact
+    assert mx.array_equal(got_rope, mx.concatenate([rope, more[1]], axis=2))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_cache_returns_dequantized_arrays(bits):
-    latent, rope = rows(20, seed=1)
-    cache = MLALatentCache()
-    cache.update_and_fetch(latent[:, :, :12], rope[:, :, :12])
-    cache.to_quantized(bits=bits)
-    got_latent, got_rope = cache.update_and_fetch(latent[:, :, 12:], rope[:, :, 12:])
-    assert isinstance(got_latent, mx.array) and got_latent.dtype == latent.dtype
-    assert mx.abs(got_latent - latent).max().item() <= rounding_bound(latent, bits)
-    assert mx.array_equal(got_rope, rope)  # the RoPE key is never quantized
+def test_no_bits_attribute_so_models_keep_their_own_attention(installed):
+    cache = latent_kv(4).to_quantized(64, 4)
+    assert not hasattr(cache, "bits") and cache.latent_bits == 4
 
 
-def test_quantization_shrinks_the_stored_latent():
-    plain = filled(256)
-    quantized = filled(256).to_quantized(bits=4)
-    assert quantized.nbytes < plain.nbytes / 3
+def test_quantized_latent_is_smaller(installed):
+    cache = latent_kv(256)
+    exact = cache.nbytes
+    cache.to_quantized(64, 4)
+    assert cache.nbytes < exact / 3
 
 
-def test_quantized_cache_from_the_start():
-    cache = MLALatentCache(bits=8)
-    latent, _ = cache.update_and_fetch(*rows(3))
-    assert cache.quantized and latent.shape == (1, 1, 3, 64)
+def test_requantizing_with_the_same_settings_is_a_no_op(installed):
+    cache = latent_kv(4).to_quantized(64, 8)
+    before = cache.keys
+    assert cache.to_quantized(64, 8) is cache and cache.keys is before
 
 
-def test_quantized_state_round_trips():
-    cache = filled(9).to_quantized(group_size=32, bits=4)
-    loaded = MLALatentCache.from_state(list(cache.state))
-    assert (loaded.group_size, loaded.latent_bits, loaded.offset) == (32, 4, 9)
-    a, _ = cache.update_and_fetch(*rows(1, seed=4))
-    b, _ = loaded.update_and_fetch(*rows(1, seed=4))
-    assert mx.array_equal(a, b)
+def test_requantizing_with_other_settings_is_refused(installed):
+    cache = latent_kv(4).to_quantized(64, 8)
+    with pytest.raises(ValueError, match="quantized with group_size 64 and 8 bits; refusing"):
+        cache.to_quantized(32, 4)
 
 
-def test_merge_keeps_each_rows_precision_and_leaves_inputs_alone():
-    q = filled(4, seed=0).to_quantized(bits=8)
-    p = filled(6, seed=1)
-    batch = BatchMLALatentCache.merge([q, p])
-    assert batch.latent_bits == 8 and not batch.quantized and not p.quantized
-    assert batch.offset.tolist() == [4, 6]
-    assert batch.extract(0).quantized and not batch.extract(1).quantized
-    assert mx.array_equal(batch.extract(0).keys_and_values()[0], q.keys_and_values()[0])
-    assert mx.array_equal(batch.extract(1).keys_and_values()[0], p.keys_and_values()[0])
+def test_other_dtypes_are_cast_like_kvcache(installed):
+    cache = latent_kv(4, dtype=mx.float32).to_quantized(64, 8)
+    latent, rope = cache.update_and_fetch(*rows(1, dtype=mx.bfloat16))
+    assert latent.dtype == rope.dtype == mx.float32
 
 
-def test_merge_of_differently_quantized_caches_is_an_error():
-    a = filled(2).to_quantized(bits=8)
-    b = filled(2).to_quantized(bits=4)
-    with pytest.raises(ValueError, match="quantized differently"):
-        BatchMLALatentCache.merge([a, b])
+def test_another_width_is_refused_by_name(installed):
+    cache = latent_kv(4).to_quantized(64, 8)
+    wide = mx.zeros((1, 1, 1, 2 * LATENT)), mx.zeros((1, 1, 1, ROPE))
+    with pytest.raises(ValueError, match="latent of width 128 .* holds widths 64 and 16"):
+        cache.update_and_fetch(*wide)
 
 
-def test_batch_quantized_extract_filter_extend_trim():
-    batch = BatchMLALatentCache.merge([filled(3, 0), filled(5, 1)]).to_quantized(bits=4)
-    assert batch.to_quantized(bits=4) is batch
-    out = batch.extract(1)
-    assert out.quantized and out.latent_bits == 4 and out.offset == 5
-    other = BatchMLALatentCache.merge([filled(2, 2)])  # a plain row joins, and stays plain
-    batch.extend(other)
-    assert batch.latent_bits == 4 and batch.offset.tolist() == [3, 5, 2]
-    assert [batch.extract(i).quantized for i in range(3)] == [True, True, False]
-    batch.filter([1, 2])
-    assert batch.offset.tolist() == [5, 2]
-    assert batch.trim(3) == 3 and batch.offset.tolist() == [2, 0]
-    latent, _ = batch.update_and_fetch(*rows(1, B=2))
-    assert latent.shape == (2, 1, 3, 64)
+def test_a_latent_width_that_groups_do_not_divide_is_refused(installed):
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 1, 2, 48)), mx.zeros((1, 1, 2, ROPE)))
+    with pytest.raises(ValueError, match="latent width 48 is not a multiple of group_size 32"):
+        cache.to_quantized(32, 4)
 
 
-def test_a_single_cache_quantizes_itself_after_the_threshold():
-    # as mlx-lm's quantized_kv_start: the step that reaches it runs exact
-    cache = MLALatentCache(bits=8, quantize_after=10)
-    cache.update_and_fetch(*rows(9, seed=0))
-    assert not cache.quantized
-    step = rows(1, seed=1)
-    latent, _ = cache.update_and_fetch(*step)
-    assert mx.array_equal(latent[:, :, -1:], step[0])
-    assert cache.quantized and cache.latent_bits == 8 and cache.offset == 10
+def test_per_head_keys_and_values_keep_stock_quantization(installed):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 4, 3, 64)), mx.zeros((1, 4, 3, 64)))
+    assert type(cache.to_quantized(64, 4)) is QuantizedKVCache
 
 
-def test_batch_rows_are_quantized_one_by_one_as_each_crosses():
-    short = MLALatentCache(bits=4, quantize_after=8)
-    long = MLALatentCache(bits=4, quantize_after=8)
-    short.update_and_fetch(*rows(3, seed=0))
-    long.update_and_fetch(*rows(6, seed=1))
-    batch = BatchMLALatentCache.merge([short, long])
-    step = rows(2, B=2, seed=2)
-    batch.update_and_fetch(*step)  # offsets become 5 and 8: row 1 crosses
-    assert [batch.extract(i).quantized for i in range(2)] == [False, True]
-    got, _ = batch.update_and_fetch(*rows(1, B=2, seed=3))
-    exact = mx.concatenate([short.keys_and_values()[0], step[0][0:1]], axis=2)
-    assert mx.array_equal(got[0:1, :, -6:-1], exact)  # the short row stays exact
-    assert not mx.array_equal(got[1:2, :, -3:-1], step[0][1:2])  # the long one is rounded
+def test_a_lookalike_cache_still_gets_arrays(installed):
+    # one head and keys wider than values, but not MLA: every model takes arrays
+    cache = KVCache()
+    keys, values = mx.random.normal((1, 1, 5, 128)), mx.random.normal((1, 1, 5, 64))
+    cache.update_and_fetch(keys, values)
+    cache.to_quantized(64, 8)
+    got_keys, got_values = cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])
+    assert isinstance(got_keys, mx.array) and got_keys.shape == (1, 1, 6, 128)
+    assert mx.array_equal(got_values[:, :, :5], values)
 
 
-def test_a_mixed_batch_round_trips_through_state():
-    batch = BatchMLALatentCache.merge([filled(3, 0).to_quantized(bits=4), filled(5, 1)])
-    loaded = BatchMLALatentCache.from_state(list(batch.state))
-    assert [loaded.extract(i).quantized for i in range(2)] == [True, False]
-    assert all(
-        mx.array_equal(a, b) for a, b in zip(loaded.keys_and_values(), batch.keys_and_values())
-    )
+def test_deepcopy_is_independent(installed):
+    cache = latent_kv(6).to_quantized(64, 4)
+    twin = copy.deepcopy(cache)
+    cache.update_and_fetch(*rows(2, seed=3))
+    assert (twin.offset, cache.offset) == (6, 8) and type(twin) is QuantizedLatentCache
 
 
-def test_the_threshold_carries_over_merge_and_extract():
-    single = MLALatentCache(bits=4, quantize_after=16)
-    single.update_and_fetch(*rows(3))
-    batch = BatchMLALatentCache.merge([single, MLALatentCache(bits=4, quantize_after=16)])
-    assert (batch.latent_bits, batch.quantize_after) == (4, 16)
-    out = batch.extract(0)
-    assert (out.quantize_bits, out.quantize_after, out.quantized) == (4, 16, False)
+def test_trim_keeps_the_earlier_tokens(installed):
+    cache = latent_kv(8).to_quantized(64, 8)
+    full, _ = cache.update_and_fetch(*rows(1, seed=2))
+    assert cache.trim(3) == 3 and cache.offset == 6
+    latent, _ = cache.update_and_fetch(*rows(1, seed=4))
+    assert mx.array_equal(latent[:, :, :6], full[:, :, :6])
+
+
+def test_quantize_latent_refuses_what_it_cannot_quantize(installed):
+    with pytest.raises(TypeError, match="cannot quantize a str"):
+        quantize_latent("not a cache")
+    empty = KVCache()
+    with pytest.raises(ValueError, match="does not hold an MLA latent"):
+        quantize_latent(empty)
+
+
+def test_a_rotating_window_quantizes_in_place_and_stays_bounded(installed):
+    cache = RotatingKVCache(max_size=16, keep=4)
+    cache.update_and_fetch(*rows(10))
+    assert cache.to_quantized(64, 8) is cache
+    assert type(cache) is QuantizedRotatingLatentCache
+    for i in range(40):
+        latent, rope = cache.update_and_fetch(*rows(1, seed=i))
+    assert latent.shape == (1, 1, 16, LATENT) and rope.dtype == mx.float32
+    assert cache.keys.shape[2] == 16 and cache.offset == 50
+
+
+def test_a_quantized_window_cannot_be_batched(installed):
+    cache = RotatingKVCache(max_size=16)
+    cache.update_and_fetch(*rows(4))
+    cache.to_quantized(64, 8)
+    with pytest.raises(ValueError, match="cannot be batched"):
+        cache.merge([cache, cache])
+    plain = RotatingKVCache(max_size=16)
+    plain.update_and_fetch(*rows(4))
+    with pytest.raises(ValueError, match="quantized rolling window cannot be batched"):
+        plain.merge([plain, cache])
+
+
+# --- batches -----------------------------------------------------------------
+
+
+def batch_of(lengths, bits=None):
+    singles = [latent_kv(n, seed=i) if n else KVCache() for i, n in enumerate(lengths)]
+    batch = BatchKVCache.merge(singles)
+    if bits:
+        batch = quantize_latent(batch, 64, bits)
+    return batch
+
+
+def test_a_batch_quantizes_in_place(installed):
+    batch = batch_of([5, 9])
+    assert quantize_latent(batch, 64, 8) is batch
+    assert type(batch) is BatchQuantizedLatentCache
+    latent, rope = batch.update_and_fetch(*rows(1, B=2))
+    assert latent.shape == (2, 1, 10, LATENT) and batch.offset.tolist() == [6, 10]
+
+
+def test_merge_of_exact_and_quantized_singles_is_a_quantized_batch(installed):
+    exact, quantized = latent_kv(5, seed=1), latent_kv(9, seed=2).to_quantized(64, 8)
+    for caches in ([exact, quantized], [quantized, exact]):
+        batch = caches[0].merge(caches)
+        assert type(batch) is BatchQuantizedLatentCache
+        assert batch.offset.tolist() == [c.offset for c in caches]
+    assert type(exact) is KVCache  # the inputs are left as they were
+
+
+def test_merge_refuses_caches_quantized_differently(installed):
+    a = latent_kv(5).to_quantized(64, 8)
+    b = latent_kv(5).to_quantized(64, 4)
+    with pytest.raises(ValueError, match="not quantized alike"):
+        a.merge([a, b])
+
+
+def test_extract_gives_a_quantized_single_of_the_row(installed):
+    batch = batch_of([3, 7], bits=8)
+    row = batch.extract(0)
+    assert type(row) is QuantizedLatentCache and row.offset == 3
+    latent, _ = row.update_and_fetch(*rows(1))
+    assert latent.shape == (1, 1, 4, LATENT)
+
+
+def test_rows_that_join_a_quantized_batch_are_quantized(installed):
+    batch = batch_of([4, 6], bits=8)
+    batch.extend(batch_of([9]))
+    assert type(batch) is BatchQuantizedLatentCache
+    assert batch.offset.tolist() == [4, 6, 9]
+
+
+def test_a_plain_batch_that_takes_quantized_rows_is_quantized(installed):
+    batch = batch_of([4, 6])
+    batch.extend(batch_of([9], bits=8))
+    assert type(batch) is BatchQuantizedLatentCache
+    assert batch.offset.tolist() == [4, 6, 9]
+    latent, _ = batch.update_and_fetch(*rows(1, B=3))
+    assert latent.shape == (3, 1, 10, LATENT)
+
+
+def test_an_empty_batch_takes_quantized_rows(installed):
+    empty = BatchKVCache([])
+    empty.extend(batch_of([5], bits=4))
+    assert type(empty) is BatchQuantizedLatentCache and empty.offset.tolist() == [5]
+
+
+def test_batch_trim_is_per_row_and_keeps_masks(installed):
+    batch = batch_of([3, 8], bits=8)
+    assert batch.trim(2) == 2
+    assert batch.offset.tolist() == [1, 6]
+    mask = batch.make_mask(2)
+    assert mask.shape == (2, 1, 2, 8)

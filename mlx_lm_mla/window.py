@@ -1,0 +1,27 @@
+"""A rolling window that quantizes: ``RotatingKVCache`` with a quantized
+latent.
+
+Stock mlx-lm cannot quantize a ``RotatingKVCache`` at all. An MLA layer's
+window can: the base class rotates the latent's bytes like any keys, so the
+window keeps its size. Not part of the upstream change, since upstream's MLA
+models make their own caches and never get a rotating one.
+"""
+
+from mlx_lm.models.cache import RotatingKVCache
+
+from .cache import QUANTIZED_LATENT, _PackedLatent
+
+
+class QuantizedRotatingLatentCache(_PackedLatent, RotatingKVCache):
+    """A ``RotatingKVCache`` whose latent is quantized."""
+
+    @classmethod
+    def merge(cls, caches):
+        # BatchRotatingKVCache would batch the bytes and hand them to the model.
+        raise ValueError(
+            "QuantizedRotatingLatentCache cannot be batched: a quantized rolling "
+            "window serves one sequence"
+        )
+
+
+QUANTIZED_LATENT[RotatingKVCache] = QuantizedRotatingLatentCache
