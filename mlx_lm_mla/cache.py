@@ -20,7 +20,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 def is_latent_layout(cache):
     """True for a cache that holds an MLA latent: one head, and keys (the
-    latent) of another width than values (the RoPE key)."""
+    latent) of another width than values (the RoPE key). DeepSeek-V3.2's
+    indexer keeps keys with empty values; that is not a latent."""
     k, v = getattr(cache, "keys", None), getattr(cache, "values", None)
     return (
         isinstance(k, mx.array)
@@ -28,6 +29,7 @@ def is_latent_layout(cache):
         and k.ndim == v.ndim == 4
         and k.shape[1] == v.shape[1] == 1
         and k.shape[-1] != v.shape[-1]
+        and v.shape[-1] > 0
     )
 
 

@@ -43,3 +43,30 @@ def stock():
     mlx_lm_mla.uninstall()
     yield
     mlx_lm_mla.uninstall()
+
+
+def leaves(caches):
+    for c in caches:
+        inner = getattr(c, "caches", None)
+        if isinstance(inner, (list, tuple)):
+            yield from leaves(inner)
+        else:
+            yield c
+
+
+@pytest.fixture
+def stock_caches():
+    """The cache classes stock mlx-lm gives a model, found with the package
+    switched off for the call."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def classes(model, max_kv_size=None):
+        was_installed = bool(mlx_lm_mla.installed())
+        mlx_lm_mla.uninstall()
+        try:
+            return [type(c) for c in leaves(make_prompt_cache(model, max_kv_size))]
+        finally:
+            if was_installed:
+                mlx_lm_mla.install()
+
+    return classes

@@ -1,11 +1,12 @@
-"""BatchGenerator and batch_generate with MLA latent caches."""
+"""BatchGenerator and batch_generate with MLA models: stock batch caches,
+quantized in place under --kv-bits."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlx_lm_mla import BatchMLALatentCache, MLALatentCache, tiny
+from mlx_lm_mla import BatchQuantizedLatentCache, QuantizedLatentCache, tiny
 
 PROMPTS = [
     [(3 * i + 5) % 190 + 5 for i in range(n)] for n in (5, 17, 9, 12)
@@ -43,13 +44,32 @@ def test_batch_generator_matches_each_sequence_alone(model_type, installed):
     assert [got[uid] for uid in uids] == expected
 
 
-def test_batch_cache_is_built_from_latent_caches(installed):
+def test_a_batch_of_mla_caches_is_the_stock_batch_cache(installed):
     model, _ = tiny.build_model("glm4_moe_lite")
     singles = [cached(model, p, len(p)) for p in PROMPTS[:2]]
     merged = singles[0][0].merge([s[0] for s in singles])
-    assert isinstance(merged, BatchMLALatentCache)
+    assert type(merged) is BatchKVCache
     assert merged.offset.tolist() == [5, 17]
-    assert isinstance(merged.extract(1), MLALatentCache)
+    assert type(merged.extract(1)) is KVCache
+
+
+def test_exact_and_quantized_prompt_caches_batch_together(installed):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    expected = [alone(model, p, 6) for p in PROMPTS[:2]]
+    caches = [cached(model, p, 4) for p in PROMPTS[:2]]
+    for c in caches[1]:
+        c.to_quantized(group_size=32, bits=8)
+    gen = BatchGenerator(model, max_tokens=6, completion_batch_size=2, prefill_batch_size=2)
+    uids = gen.insert([p[4:] for p in PROMPTS[:2]], [6, 6], caches=caches)
+    got = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                assert all(type(c) is QuantizedLatentCache for c in r.prompt_cache)
+    gen.close()
+    assert len(got[uids[0]]) == len(got[uids[1]]) == 6
+    assert got[uids[0]][:2] == expected[0][:2]  # 8-bit rounding may turn later tokens
 
 
 def test_batch_generate_with_prompt_caches(installed, tmp_path):
@@ -63,21 +83,6 @@ def test_batch_generate_with_prompt_caches(installed, tmp_path):
         model, tokenizer, [p[3:] for p in PROMPTS[:2]], prompt_caches=caches, max_tokens=6
     )
     assert all(t and e.startswith(t) for e, t in zip(expected, out.texts))
-
-
-def test_batch_cache_construction_knows_latent_caches(installed):
-    import mlx_lm.generate as generate
-
-    model, _ = tiny.build_model("deepseek_v32")
-    if hasattr(generate, "_make_cache"):  # mlx-lm 0.31 builds batch caches by type
-        batch = generate._make_cache(model, [1, 0], None)
-        assert all(isinstance(c.caches[0], BatchMLALatentCache) for c in batch)
-        assert batch[0].caches[0].left_padding.tolist() == [1, 0]
-        assert type(batch[0].caches[1]).__name__ == "BatchKVCache"
-    else:  # later versions merge single caches, which the hook already made
-        singles = [make_prompt_cache(model) for _ in range(2)]
-        merged = [a.merge([a, b]) for a, b in zip(*singles)]
-        assert all(isinstance(c.caches[0], BatchMLALatentCache) for c in merged)
 
 
 def serve_settings(model, bits=4, start=12):
@@ -97,8 +102,7 @@ def serve_settings(model, bits=4, start=12):
 def test_kv_bits_keep_mla_models_batchable(installed):
     model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
     assert serve_settings(model)
-    cache = make_prompt_cache(model)
-    assert (cache[0].quantize_bits, cache[0].quantize_after) == (4, 12)
+    assert all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
 def test_kv_bits_do_not_make_other_models_batchable(installed):
@@ -106,7 +110,7 @@ def test_kv_bits_do_not_make_other_models_batchable(installed):
     assert not serve_settings(model)
 
 
-def test_batched_rows_quantized_one_by_one_match_each_sequence_alone(installed):
+def test_a_batch_served_with_kv_bits_quantizes_once_its_longest_row_crosses(installed):
     model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
     serve_settings(model, bits=8, start=12)
     expected = [
@@ -126,7 +130,10 @@ def test_batched_rows_quantized_one_by_one_match_each_sequence_alone(installed):
         for r in responses:
             got[r.uid].append(r.token)
             if r.finish_reason is not None:
-                # every row crossed 12 tokens, so every cache handed back is quantized
-                assert all(c.quantized for c in r.prompt_cache)
+                # the batch crossed 12 tokens, so every cache handed back is quantized
+                assert all(type(c) is QuantizedLatentCache for c in r.prompt_cache)
+                assert all(c.latent_bits == 8 for c in r.prompt_cache)
     gen.close()
-    assert [got[uid] for uid in uids] == expected
+    # A row follows its batch, so it may quantize earlier than alone: close, not equal.
+    agree = sum(a == b for uid, e in zip(uids, expected) for a, b in zip(got[uid], e))
+    assert all(len(got[uid]) == 8 for uid in uids) and agree >= 24

@@ -4,8 +4,9 @@ import mlx.core as mx
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from mlx_lm_mla import MLALatentCache
 from mlx_lm_mla.guards import cache_problem
+
+from conftest import latent_kv
 
 TOKENS = list(range(10, 30))
 
@@ -17,9 +18,8 @@ def kv_cache(n):
 
 
 def latent_cache(n):
-    c = MLALatentCache()
-    c.update_and_fetch(mx.zeros((1, 1, n, 64)), mx.zeros((1, 1, n, 16)))
-    return [c]
+    """A quantized latent cache of n tokens."""
+    return [latent_kv(n).to_quantized(64, 8)]
 
 
 def test_exact_hit_leaves_one_token_to_process(installed):
@@ -52,7 +52,7 @@ def test_entry_that_does_not_hold_its_key_is_evicted(installed, caplog):
     cache, rest = store.fetch_nearest_cache("m", TOKENS)
     assert cache is None and rest == TOKENS
     assert len(store) == 0 and store.nbytes == 0
-    assert "evicted a bad prompt cache entry: layer 0: MLALatentCache holds 7 tokens, expected 10" in caplog.text
+    assert "evicted a bad prompt cache entry: layer 0: QuantizedLatentCache holds 7 tokens, expected 10" in caplog.text
 
 
 def test_a_partial_cache_is_never_stored(installed, caplog):

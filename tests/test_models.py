@@ -1,22 +1,18 @@
-"""Every MLA architecture in the installed mlx-lm, with the hooks active."""
+"""Every MLA architecture in the installed mlx-lm, with the fix active:
+stock's caches until quantization, latent-quantized caches after."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_lm_mla import MLALatentCache, tiny
+from mlx_lm_mla import QuantizedLatentCache, tiny
+from mlx_lm_mla.cache import is_latent_layout
 from mlx_lm_mla.hooks import count_latent_attention
 
+from conftest import leaves
+
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(23)]
-
-
-def leaves(caches):
-    for c in caches:
-        if isinstance(c, CacheList):
-            yield from leaves(c.caches)
-        else:
-            yield c
 
 
 def chunked_logits(model, cache, tokens, chunks=(9, 6)):
@@ -30,24 +26,30 @@ def chunked_logits(model, cache, tokens, chunks=(9, 6)):
     return mx.concatenate(out, axis=1)
 
 
+def latent_caches(model, caches):
+    """The caches that hold a latent once the model ran."""
+    return [c for c in leaves(caches) if is_latent_layout(c)]
+
+
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
-def test_every_latent_attention_gets_a_latent_cache(model_type, installed):
+def test_every_latent_attention_keeps_the_stock_cache(model_type, installed, stock_caches):
     model, _ = tiny.build_model(model_type)
     caches = make_prompt_cache(model)
+    assert [type(c) for c in leaves(caches)] == stock_caches(model)
+    model(mx.array([PROMPT[:5]]), cache=caches)
     expected = sum(count_latent_attention(layer) for layer in model.layers)
-    latent = [c for c in leaves(caches) if isinstance(c, MLALatentCache)]
-    assert expected > 0 and len(latent) == expected
+    assert expected > 0 and len(latent_caches(model, caches)) == expected
+    assert all(type(c) is KVCache for c in latent_caches(model, caches))
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
-def test_logits_with_latent_cache_match_a_full_forward(model_type, installed):
+def test_logits_with_a_quantizable_cache_match_a_full_forward(model_type, installed):
     model, _ = tiny.build_model(model_type)
     full = model(mx.array([PROMPT]))
     cache = make_prompt_cache(model)
     got = chunked_logits(model, cache, PROMPT)
     assert mx.allclose(got, full, atol=1e-4, rtol=1e-4).item()
-    stored = [c for c in leaves(cache) if isinstance(c, MLALatentCache)]
-    assert all(c.offset == len(PROMPT) for c in stored)
+    assert all(c.offset == len(PROMPT) for c in latent_caches(model, cache))
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
@@ -68,20 +70,24 @@ def test_quantized_latent_cache_runs_every_architecture(model_type, bits, instal
     model, _ = tiny.build_model(model_type)
     cache = make_prompt_cache(model)
     model(mx.array([PROMPT[:10]]), cache=cache)
-    for c in leaves(cache):
-        if isinstance(c, MLALatentCache):
-            assert c.to_quantized(group_size=32, bits=bits) is c
+    held = latent_caches(model, cache)
+    for c in held:
+        assert c.to_quantized(group_size=32, bits=bits) is c
+    assert held and all(c.latent_bits == bits for c in held)
     logits = chunked_logits(model, cache, PROMPT[10:], chunks=(5,))
     assert logits.shape[1] == len(PROMPT) - 10
     assert mx.isfinite(logits).all().item()
 
 
-def test_dsa_indexer_keeps_its_plain_cache(installed):
-    model, _ = tiny.build_model("deepseek_v32")
-    cache = make_prompt_cache(model)
-    assert all(isinstance(c, CacheList) for c in cache)
-    assert all(type(c.caches[0]) is MLALatentCache for c in cache)
-    assert all(type(c.caches[1]) is KVCache for c in cache)
+WINDOWED = [t for t in ("glm4_moe_lite", "deepseek_v3", "mistral4") if t in tiny.MLA_MODEL_TYPES]
+
+
+@pytest.mark.parametrize("model_type", WINDOWED)
+def test_a_window_keeps_the_stock_rotating_cache(model_type, installed, stock_caches):
+    model, _ = tiny.build_model(model_type)
+    cache = make_prompt_cache(model, max_kv_size=32)
+    assert all(type(c) is RotatingKVCache for c in cache)
+    assert [type(c) for c in cache] == stock_caches(model, 32)
 
 
 @pytest.mark.parametrize("model_type", tiny.FULL_KV_MODEL_TYPES)
@@ -92,11 +98,15 @@ def test_full_kv_models_keep_upstream_caches(model_type, installed):
     assert all(type(c).__name__ == "RotatingKVCache" for c in rotating)
 
 
-def test_loaded_model_gets_latent_caches(installed, tmp_path):
+def test_a_loaded_model_quantizes_its_latent(installed, tmp_path):
     path = tiny.save_model(tmp_path / "glm", "glm4_moe_lite", quantize_bits=6)
     model, tokenizer = tiny.load(path)
     cache = make_prompt_cache(model)
-    assert all(isinstance(c, MLALatentCache) for c in cache)
+    assert all(type(c) is KVCache for c in cache)
     prompt = tokenizer.encode("hello latent world")
-    out = [t for t, _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=4)]
+    steps = generate_step(
+        mx.array(prompt), model, prompt_cache=cache, max_tokens=4, kv_bits=4, quantized_kv_start=0
+    )
+    out = [t for t, _ in steps]
     assert len(out) == 4 and cache[0].offset == len(prompt) + 4  # generate_step runs one step ahead
+    assert all(type(c) is QuantizedLatentCache for c in cache)

@@ -3,55 +3,61 @@
 import importlib
 import warnings
 
+import mlx.core as mx
 import mlx_lm.generate
 import mlx_lm.models.cache as upstream_cache
 import mlx_lm.models.deepseek_v3 as deepseek_v3
-import mlx_lm.models.deepseek_v32 as deepseek_v32
 import pytest
 
 import mlx_lm_mla
-from mlx_lm_mla import MLALatentCache, patch, tiny
+from mlx_lm_mla import QuantizedLatentCache, patch, tiny
+
 
 
 def test_install_registers_classes_where_load_prompt_cache_looks(stock):
     patched = mlx_lm_mla.install()
-    assert upstream_cache.MLALatentCache is MLALatentCache
-    assert "mlx_lm.models.cache.BatchMLALatentCache" in patched
+    assert upstream_cache.QuantizedLatentCache is QuantizedLatentCache
+    assert "mlx_lm.models.cache.BatchQuantizedLatentCache" in patched
+    assert "mlx_lm.models.cache.QuantizedRotatingLatentCache" in patched
 
 
-def test_install_hooks_every_mla_model_class(stock):
+def test_install_leaves_every_model_class_alone(stock):
     mlx_lm_mla.install()
     for model_type in tiny.MLA_MODEL_TYPES:
         module = importlib.import_module(f"mlx_lm.models.{model_type}")
-        # own hook, or inherited from the class it builds on (glm_moe_dsa)
-        assert hasattr(module.Model.make_cache, "mlx_lm_mla_original"), model_type
+        assert not any(label.startswith(module.__name__) for label in mlx_lm_mla.installed())
+    assert "make_cache" not in deepseek_v3.Model.__dict__
 
 
 def test_install_is_idempotent(stock):
     first = mlx_lm_mla.install()
-    hook = deepseek_v3.Model.__dict__["make_cache"]
+    hook = upstream_cache.KVCache.__dict__["to_quantized"]
     assert mlx_lm_mla.install() == first
-    assert deepseek_v3.Model.__dict__["make_cache"] is hook
+    assert upstream_cache.KVCache.__dict__["to_quantized"] is hook
 
 
 def test_uninstall_restores_everything(stock):
-    own = deepseek_v32.Model.__dict__["make_cache"]
-    make_cache = getattr(mlx_lm.generate, "_make_cache", None)
+    originals = {
+        cls: dict(vars(cls))
+        for cls in (upstream_cache.KVCache, upstream_cache.RotatingKVCache, upstream_cache.BatchKVCache)
+    }
     mlx_lm_mla.install()
     restored = mlx_lm_mla.uninstall()
     assert restored and mlx_lm_mla.installed() == []
-    assert "make_cache" not in deepseek_v3.Model.__dict__
-    assert deepseek_v32.Model.__dict__["make_cache"] is own
-    assert getattr(mlx_lm.generate, "_make_cache", None) is make_cache
-    assert not hasattr(upstream_cache, "MLALatentCache")
+    assert all(dict(vars(cls)) == attrs for cls, attrs in originals.items())
+    assert not hasattr(upstream_cache, "QuantizedLatentCache")
 
 
-def test_uninstalled_models_get_stock_caches_again(stock):
-    model, _ = tiny.build_model("glm4_moe_lite")
+def test_uninstalled_caches_quantize_as_stock_again(stock):
+    def latent():
+        c = upstream_cache.KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, 4, 64)), mx.zeros((1, 1, 4, 32)))
+        return c
+
     mlx_lm_mla.install()
-    assert isinstance(upstream_cache.make_prompt_cache(model)[0], MLALatentCache)
+    assert type(latent().to_quantized(32, 4)) is QuantizedLatentCache
     mlx_lm_mla.uninstall()
-    assert type(upstream_cache.make_prompt_cache(model)[0]) is upstream_cache.KVCache
+    assert type(latent().to_quantized(32, 4)) is upstream_cache.QuantizedKVCache
 
 
 def test_the_installed_mlx_lm_is_in_the_supported_range():

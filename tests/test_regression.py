@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlx_lm_mla import MLALatentCache, tiny
+from mlx_lm_mla import QuantizedLatentCache, tiny
 
 START = 48  # quantized_kv_start
 # Rope width 64, so stock quantization (group size 64) gets to the model code.
@@ -46,12 +46,12 @@ def test_cache_crosses_the_threshold_and_serves_40_more_requests(bits, installed
     cache = make_prompt_cache(model)
     objects = list(cache)
     history, out = serve(model, cache, [], requests(1)[0] + list(range(5, 30)), bits)
-    assert len(out) == 12 and all(c.quantized for c in cache)
+    assert len(out) == 12 and all(type(c) is QuantizedLatentCache for c in cache)
     for prompt in requests(40):
         history, out = serve(model, cache, history, prompt, bits)
         assert len(out) == 12 and all(0 <= t < 256 for t in out)
     assert all(a is b for a, b in zip(cache, objects))  # quantized in place
-    assert all(isinstance(c, MLALatentCache) and c.latent_bits == bits for c in cache)
+    assert all(c.latent_bits == bits for c in cache)
 
 
 def test_without_the_fix_the_same_scenario_fails(stock):

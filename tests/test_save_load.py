@@ -1,4 +1,4 @@
-"""save_prompt_cache / load_prompt_cache with latent caches.
+"""save_prompt_cache / load_prompt_cache with MLA caches, exact and quantized.
 
 load_prompt_cache is looked up on the module at call time, since install()
 patches it there.
@@ -9,7 +9,8 @@ import pytest
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-from mlx_lm_mla import MLALatentCache, tiny
+from mlx_lm_mla import tiny
+from mlx_lm_mla.cache import is_latent_layout
 from mlx_lm_mla.guards import CorruptCacheFile
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
@@ -20,7 +21,8 @@ def prefilled(model, bits=None):
     model(mx.array([PROMPT[:14]]), cache=cache)
     if bits:
         for c in cache:
-            c.to_quantized(group_size=32, bits=bits) if isinstance(c, MLALatentCache) else None
+            if is_latent_layout(c):
+                c.to_quantized(group_size=32, bits=bits)
     return cache
 
 
@@ -70,13 +72,13 @@ def test_file_that_is_not_a_cache_is_refused(installed, tmp_path):
 
 def test_tampered_state_gives_a_clear_error(installed, tmp_path):
     model, _ = tiny.build_model("glm4_moe_lite")
-    cache = prefilled(model)
+    cache = prefilled(model, bits=4)
     good, path = str(tmp_path / "good.safetensors"), str(tmp_path / "t.safetensors")
     save_prompt_cache(good, cache)
     arrays, meta = mx.load(good, return_metadata=True)
-    arrays["0.2"] = arrays["0.2"][:, :, :5]  # rope key of layer 0 cut short
+    arrays["0.1"] = arrays["0.1"][:, :, :5]  # rope key of layer 0 cut short
     mx.save_safetensors(path, arrays, meta)
-    with pytest.raises(ValueError, match="MLALatentCache state: the arrays disagree"):
+    with pytest.raises(ValueError, match="QuantizedLatentCache state: the latent .* disagree"):
         cache_module.load_prompt_cache(path)
 
 
@@ -84,6 +86,6 @@ def test_cache_of_another_model_is_refused_when_used(installed, tmp_path):
     small, _ = tiny.build_model("glm4_moe_lite")
     wide, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
     path = str(tmp_path / "other.safetensors")
-    save_prompt_cache(path, prefilled(small))
-    with pytest.raises(ValueError, match="the latent is mlx.core.float32 of width 128, but the cache holds"):
+    save_prompt_cache(path, prefilled(small, bits=4))
+    with pytest.raises(ValueError, match="latent of width 128 .* holds widths 64"):
         continue_from(wide, cache_module.load_prompt_cache(path))
