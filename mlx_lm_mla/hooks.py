@@ -15,6 +15,7 @@ import pkgutil
 from pathlib import Path
 
 from .cache import (
+    QUANTIZED_LATENT,
     BatchQuantizedLatentCache,
     _PackedLatent,
     extend_latent,
@@ -131,7 +132,7 @@ def quantize_batches(caches, group_size, bits, start):
     once its longest row (``_idx``, no host sync) holds ``start`` tokens."""
     for c in caches:
         if (
-            not isinstance(c, _PackedLatent)
+            type(c) in QUANTIZED_LATENT  # not a rotating batch: it cannot quantize
             and isinstance(getattr(c, "_idx", None), int)
             and c._idx >= start
             and is_latent_layout(c)

@@ -1,0 +1,205 @@
+"""The call sequences of LM Studio's MLX engines, replayed without their code.
+
+Both engine builds (the old one on mlx-lm 0.31.2-dev and mlx 0.31.1, the
+current one on mlx-lm 0.31.3-dev and mlx 0.32.0) drive mlx-lm through public
+calls only: ``make_prompt_cache(model, max_kv_size)``, a common-prefix
+``trim_prompt_cache``, a chunked prefill that quantizes a *copy* of the cache
+list, ``generate_step``, ``BatchGenerator`` with ``mx.array`` filters, and a
+disk cache that records each layer by class name. Each replay runs with and
+without a window and with and without kv_bits, as the engines do (they drop
+the window whenever kv_bits is set, but the window quantizes here too).
+"""
+
+import mlx.core as mx
+import pytest
+import mlx_lm.models.cache as cache_module
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    generate_step,
+    maybe_quantize_kv_cache,
+)
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+import mlx_lm_mla
+from mlx_lm_mla import tiny
+
+from test_batching import serve_settings
+
+WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
+WINDOW = 48
+START = 32  # quantized_kv_start
+CHUNK = 16  # prefill step
+SETTINGS = [(None, None), (WINDOW, None), (None, 4), (WINDOW, 4)]
+IDS = ["plain", "window", "kv_bits", "window+kv_bits"]
+
+HISTORY = [(3 * i + 11) % 190 + 5 for i in range(30)]
+
+
+def chat(n):
+    """A growing chat: each request repeats the last one and adds a turn."""
+    return [HISTORY + [(7 * r + j) % 190 + 5 for r in range(k + 1) for j in range(5)] for k in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.build_model("glm4_moe_lite", **WIDE)[0]
+
+
+class SequentialEngine:
+    """What the engine's sequential path does for each request."""
+
+    def __init__(self, model, window, bits):
+        self.model, self.window, self.bits = model, window, bits
+        self.cache = make_prompt_cache(model, window)
+        self.tokens = []
+
+    def quantize(self, caches):
+        maybe_quantize_kv_cache(caches, START, 64, self.bits)
+
+    def request(self, prompt, max_tokens=6):
+        common = 0
+        while common < min(len(self.tokens), len(prompt) - 1) and self.tokens[common] == prompt[common]:
+            common += 1
+        held = self.cache[0].offset
+        if held > common and not (
+            can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, held - common)
+        ):
+            self.cache, common = make_prompt_cache(self.model, self.window), 0
+        rest = prompt[common:]
+        while len(rest) > CHUNK:
+            self.model(mx.array([rest[:CHUNK]]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.quantize(list(self.cache))  # a copy of the list, as the engine does
+            rest = rest[CHUNK:]
+        out = [
+            t
+            for t, _ in generate_step(
+                mx.array(rest), self.model, prompt_cache=self.cache, max_tokens=max_tokens,
+                kv_bits=self.bits, kv_group_size=64, quantized_kv_start=START,
+            )
+        ]
+        self.tokens = (prompt + out)[: self.cache[0].offset]
+        return out
+
+
+def replay(model, window, bits, n=6):
+    engine = SequentialEngine(model, window, bits)
+    return engine, [engine.request(p) for p in chat(n)]
+
+
+@pytest.mark.parametrize("window,bits", SETTINGS[:2], ids=IDS[:2])
+def test_sequential_replay_gives_stocks_tokens_and_classes(window, bits, model, stock):
+    stock_engine, expected = replay(model, window, bits)
+    mlx_lm_mla.install()
+    engine, got = replay(model, window, bits)
+    assert got == expected
+    assert [type(c) for c in engine.cache] == [type(c) for c in stock_engine.cache]
+    assert type(engine.cache[0]) is (RotatingKVCache if window else KVCache)
+
+
+@pytest.mark.parametrize("window,bits", SETTINGS[2:], ids=IDS[2:])
+def test_sequential_replay_with_kv_bits_quantizes_the_live_cache(window, bits, model, installed):
+    engine = SequentialEngine(model, window, bits)
+    live = list(engine.cache)
+    engine.request(chat(1)[0])
+    # the engine quantized a copy of the list: the live objects are quantized
+    assert all(c.latent_bits == bits for c in live)
+    assert all(a is b for a, b in zip(engine.cache, live))
+    for prompt in chat(6)[1:]:
+        assert len(engine.request(prompt)) == 6
+    assert all(c.latent_bits == bits for c in engine.cache)
+    if window:
+        assert all(c.keys.shape[2] <= WINDOW for c in engine.cache)
+
+
+@pytest.mark.parametrize("window,bits", SETTINGS[2:], ids=IDS[2:])
+def test_stock_fails_the_sequential_replay_with_kv_bits(window, bits, model, stock):
+    with pytest.raises((AttributeError, NotImplementedError), match="swapaxes|Quantization NYI"):
+        replay(model, window, bits)
+
+
+# --- batched -----------------------------------------------------------------
+
+
+@pytest.fixture
+def array_filters(monkeypatch):
+    """The old engine's BatchGenerator: ``cache.filter(mx.array(keep_idx))``."""
+    original = GenerationBatch.filter
+
+    def filter(self, keep):
+        caches, self.prompt_cache = self.prompt_cache, []
+        original(self, keep)
+        self.prompt_cache = caches
+        if keep:
+            for c in caches:
+                c.filter(mx.array(keep))
+        else:
+            caches.clear()
+
+    monkeypatch.setattr(GenerationBatch, "filter", filter)
+
+
+def batched(model, window, lengths=(3, 9, 5, 12)):
+    prompts = [chat(3)[i % 3][: 20 + 3 * i] for i in range(4)]
+    gen = BatchGenerator(
+        model, max_tokens=12, completion_batch_size=4, prefill_batch_size=4, max_kv_size=window
+    )
+    uids = gen.insert(prompts, list(lengths))  # rows finish at different steps
+    got, caches = {uid: [] for uid in uids}, {}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    gen.close()
+    return [got[u] for u in uids], [caches[u] for u in uids]
+
+
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["plain", "window"])
+def test_batched_replay_with_array_filters_gives_stocks_tokens(window, model, array_filters, stock):
+    expected, stock_caches = batched(model, window)
+    mlx_lm_mla.install()
+    got, caches = batched(model, window)
+    assert got == expected and [len(t) for t in got] == [3, 9, 5, 12]
+    assert [type(c) for c in caches[0]] == [type(c) for c in stock_caches[0]]
+
+
+def test_batched_replay_with_kv_bits_and_array_filters(model, array_filters, installed):
+    serve_settings(model, bits=4, start=16)  # crossed by the prompts themselves
+    try:
+        got, caches = batched(model, None)
+    finally:
+        vars(model).pop("_mlx_lm_mla_kv")
+    assert [len(t) for t in got] == [3, 9, 5, 12]
+    assert all(c.latent_bits == 4 for row in caches for c in row)
+
+
+# --- the disk prompt cache, by class name ------------------------------------
+
+
+def restore(layer):
+    """A layer saved as (class name, state, meta_state) and restored by name."""
+    name, state = type(layer).__name__, layer.state
+    cls = getattr(cache_module, name)
+    if hasattr(layer, "meta_state"):  # mlx-lm 0.31
+        return cls.from_state(state, layer.meta_state)
+    return cls.from_state(state)
+
+
+@pytest.mark.parametrize("window,bits", SETTINGS, ids=IDS)
+def test_disk_records_restore_by_class_name(window, bits, model, installed):
+    engine = SequentialEngine(model, window, bits)
+    engine.request(chat(1)[0])
+    names = {type(c).__name__ for c in engine.cache}
+    if bits is None:  # the engine stores these two as per-chunk deltas
+        assert names == {"RotatingKVCache" if window else "KVCache"}
+    restored = [restore(c) for c in engine.cache]
+    step = mx.array([[7, 8]])
+    assert mx.array_equal(model(step, cache=restored), model(step, cache=engine.cache))
