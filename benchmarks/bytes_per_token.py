@@ -15,11 +15,16 @@ RoPE key in the model dtype; or packed latent + scales + biases + RoPE key).
 Target for our caches: at most 1 % over the floor plus one growth step (256
 tokens) of padding.
 
-Also: a batch of sequences of different lengths merged into a
-``BatchMLALatentCache`` (left padded to the longest), bytes per real token.
+Our caches are stock's, quantized in place: ``KVCache`` -> ``QuantizedLatentCache``
+and, merged, ``BatchKVCache`` -> ``BatchQuantizedLatentCache``.
+
+Also: a batch of sequences of different lengths merged (left padded to the
+longest), bytes per real token; and a rolling window (``RotatingKVCache``,
+what ``make_prompt_cache(model, max_kv_size=W)`` gives), which must hold W
+tokens whatever N is, quantized or not.
 
     python benchmarks/bytes_per_token.py
-    python benchmarks/bytes_per_token.py --tokens 1000 4096 32768 --batch 4000 2800 1200 200
+    python benchmarks/bytes_per_token.py --tokens 1000 4096 32768 --batch 4000 2800 1200 200 --window 2048
 """
 
 import argparse
@@ -31,9 +36,11 @@ import _common  # noqa: F401  (puts the repository root on sys.path)
 from _common import DEEPSEEK_V3, GLM_4_7_FLASH, active_memory, cache_arrays, table, write_json
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from mlx_lm_mla import BatchMLALatentCache, MLALatentCache
+import mlx_lm_mla
+
+mlx_lm_mla.install()  # to_quantized of a latent-layout cache quantizes in place
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 STEP = 256  # the growth step of mlx-lm's KVCache and of our caches
@@ -123,14 +130,10 @@ def single_rows(shape, n, args, dtype):
     for bits in (None, 8, 4):
         floor = floor_bytes(shape, dbytes, bits, args.group_size)
         _, nb, held = measure(
-            lambda: fill(MLALatentCache(group_size=args.group_size), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+            lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
         )
-        name = f"MLALatentCache {bits}-bit" if bits else f"MLALatentCache {args.dtype}"
-        rows.append(row(name, nb, held, floor))
-
-    floor = floor_bytes(shape, dbytes)
-    _, nb, held = measure(lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype))
-    rows.append(row("stock KVCache, latent", nb, held, floor, note="keys=latent, values=rope"))
+        name = f"QuantizedLatentCache {bits}-bit" if bits else f"KVCache {args.dtype} (stock)"
+        rows.append(row(name, nb, held, floor, note="keys=latent, values=rope"))
 
     per_tok = expanded_bytes(shape, dbytes)
     if per_tok * n <= args.max_alloc_mb * 2**20:
@@ -150,16 +153,14 @@ def batch_rows(shape, lengths, args, dtype):
     layers = shape["layers"]
     real = sum(lengths)
     rows = []
-    variants = [(f"BatchMLALatentCache {args.dtype}", None), ("BatchMLALatentCache 8-bit", 8), ("BatchMLALatentCache 4-bit", 4), ("stock BatchKVCache, latent", "stock")]
-    for name, bits in variants:
-        qbits = None if bits == "stock" else bits
+    variants = [(f"BatchKVCache {args.dtype} (stock)", None), ("BatchQuantizedLatentCache 8-bit", 8), ("BatchQuantizedLatentCache 4-bit", 4)]
+    for name, qbits in variants:
         floor = floor_bytes(shape, dbytes, qbits, args.group_size)
 
         def singles():
             out = []
             for n in lengths:
-                c = KVCache() if bits == "stock" else MLALatentCache(group_size=args.group_size)
-                c = fill(c, (lat, rope, 1), 1, n, 0, dtype)
+                c = fill(KVCache(), (lat, rope, 1), 1, n, 0, dtype)
                 if qbits:
                     c.to_quantized(group_size=args.group_size, bits=qbits)
                 out.append(c)
@@ -167,8 +168,7 @@ def batch_rows(shape, lengths, args, dtype):
             return out
 
         caches = singles()
-        cls = BatchKVCache if bits == "stock" else BatchMLALatentCache
-        batch, nb, held = measure(lambda: _merged(cls, caches))
+        batch, nb, held = measure(lambda: _merged(caches))
         del caches
         gc.collect()
         stages = [("merged", real, nb, held)]
@@ -201,10 +201,36 @@ def batch_rows(shape, lengths, args, dtype):
     return rows
 
 
-def _merged(cls, caches):
-    b = cls.merge(caches)
+def _merged(caches):
+    b = caches[0].merge(caches)
     _eval_cache(b)
     return b
+
+
+def window_rows(shape, window, n, args, dtype):
+    """A rolling window of W tokens after N: it must hold W, not N."""
+    dbytes = mx.zeros((1,), dtype).itemsize
+    lat, rope = shape["kv_lora_rank"], shape["qk_rope_head_dim"]
+    rows = []
+    for bits in (None, 8, 4):
+        floor = floor_bytes(shape, dbytes, bits, args.group_size)
+        cache, nb, held = measure(
+            lambda: fill(RotatingKVCache(max_size=window, keep=4), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+        )
+        rows.append(
+            dict(
+                model=shape["name"],
+                tokens=n,
+                window=window,
+                cache=type(cache).__name__ + (f" {bits}-bit" if bits else f" {args.dtype} (stock)"),
+                positions=cache.keys.shape[2],
+                bytes_whole_model=nb * shape["layers"],
+                window_floor=floor * window * shape["layers"],
+                ratio=nb / (floor * window),
+                held_ratio=held / (floor * window),
+            )
+        )
+    return rows
 
 
 def main():
@@ -212,6 +238,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1000, 4096], help="sequence lengths N (default: 1000 4096)")
     p.add_argument("--batch", type=int, nargs="+", default=[1000, 700, 300, 50], help="lengths of the merged batch rows")
+    p.add_argument("--window", type=int, default=1024, help="rolling window size W (default: 1024)")
     p.add_argument("--tail", type=int, default=16, help="single-token decode steps after the prefill (default: 16)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--group-size", type=int, default=64)
@@ -224,14 +251,15 @@ def main():
     # The first allocations of a process (the random generator's key, ...)
     # would be counted as held by the first cache measured.
     for bits in (None, 8, 4):
-        measure(lambda: fill(MLALatentCache(), (64, 64, 1), 1, 300, args.tail, dtype, bits))
-    measure(lambda: fill(KVCache(), (64, 64, 1), 1, 300, args.tail, dtype))
+        measure(lambda: fill(KVCache(), (64, 32, 1), 1, 300, args.tail, dtype, bits))
 
-    single, batch = [], []
+    single, batch, windows = [], [], []
     for shape in (GLM_4_7_FLASH, DEEPSEEK_V3):
         for n in args.tokens:
             print(f"{shape['name']}, N={n} ...", file=sys.stderr, flush=True)
             single += single_rows(shape, n, args, dtype)
+            if n > args.window:
+                windows += window_rows(shape, args.window, n, args, dtype)
         print(f"{shape['name']}, batch {args.batch} ...", file=sys.stderr, flush=True)
         batch += batch_rows(shape, args.batch, args, dtype)
 
@@ -268,7 +296,23 @@ def main():
             ("padding_share", "padding", "{:.1%}"),
         ],
     )
-    path = write_json(args.json, "bytes_per_token", args, {"single": single, "batch": batch}, started)
+    print(f"\nRolling window of {args.window} tokens (make_prompt_cache(model, max_kv_size)), whole model\n")
+    table(
+        windows,
+        [
+            ("model", "model", None),
+            ("tokens", "N", "{:,}"),
+            ("cache", "cache", None),
+            ("positions", "positions held", "{:,}"),
+            ("bytes_whole_model", "bytes", "{:,.0f}"),
+            ("window_floor", "floor (W tokens)", "{:,.0f}"),
+            ("ratio", "ratio", "{:.4f}"),
+            ("held_ratio", "held", "{:.4f}"),
+        ],
+    )
+    path = write_json(
+        args.json, "bytes_per_token", args, {"single": single, "batch": batch, "window": windows}, started
+    )
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
 
 

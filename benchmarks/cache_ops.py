@@ -5,8 +5,8 @@ bfloat16), single caches of a few thousand tokens and a batch of 4 rows of
 different lengths. Timed, each with ``mx.eval`` of everything the operation
 produces inside the timing:
 
-- merge       4 ``MLALatentCache`` -> ``BatchMLALatentCache`` (left padded)
-- extract     one row of the batch -> ``MLALatentCache``
+- merge       4 single caches -> a batch (left padded)
+- extract     one row of the batch -> a single cache
 - filter      keep rows 1-3 of the batch (drops the longest row, so the
               batch also sheds the padding no row needs)
 - extend      a batch of 2 rows extended by another batch of 2 rows
@@ -26,8 +26,11 @@ next to it (the I/O floor). The stock mlx-lm operation on ``KVCache`` /
 ``BatchKVCache`` holding the same latent is timed too. Runs of op, floor and
 stock are interleaved; figures are medians. Target: every op <= 2x its floor.
 
---quantized also times the ops on 8-bit caches (no stock counterpart:
-stock mlx-lm cannot quantize an MLA cache).
+Unquantized, "ours" is stock's ``KVCache`` / ``BatchKVCache`` with the
+package installed: it must cost what stock costs. --quantized also times the
+ops on 8-bit caches (``QuantizedLatentCache`` / ``BatchQuantizedLatentCache``,
+made in place by ``to_quantized``; no stock counterpart: stock mlx-lm cannot
+quantize an MLA cache).
 
     python benchmarks/cache_ops.py
     python benchmarks/cache_ops.py --lengths 16384 12000 8000 2000 --reps 30
@@ -48,7 +51,7 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import mlx_lm_mla
-from mlx_lm_mla import BatchMLALatentCache, MLALatentCache
+from mlx_lm_mla import BatchQuantizedLatentCache, QuantizedLatentCache
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 TARGET = 2.0
@@ -64,8 +67,8 @@ def cache_bytes(cache):
 def copy_of(cache):
     """An independent cache with the same state (views of the same arrays;
     MLX copies on write where needed)."""
-    if isinstance(cache, (MLALatentCache, BatchMLALatentCache)):
-        c = type(cache).from_state(cache.state)
+    if isinstance(cache, (QuantizedLatentCache, BatchQuantizedLatentCache)):
+        c = type(cache).from_state(cache.state, cache.meta_state)
     elif isinstance(cache, BatchKVCache):
         c = BatchKVCache([0])
         c.state = cache.state
@@ -95,7 +98,7 @@ class Data:
         self.ours = []
         self.stock = []
         for lat, rope in self.latents:
-            c = MLALatentCache()
+            c = KVCache()
             c.update_and_fetch(lat, rope)
             if bits:
                 c.to_quantized(group_size=64, bits=bits)
@@ -105,9 +108,9 @@ class Data:
             s.update_and_fetch(lat, rope)
             mx.eval(arrays_of(s))
             self.stock.append(s)
-        self.batch = BatchMLALatentCache.merge(self.ours)
+        self.batch = BatchKVCache.merge(self.ours)
         self.stock_batch = BatchKVCache.merge(self.stock)
-        self.half = (BatchMLALatentCache.merge(self.ours[:2]), BatchMLALatentCache.merge(self.ours[2:]))
+        self.half = (BatchKVCache.merge(self.ours[:2]), BatchKVCache.merge(self.ours[2:]))
         self.stock_half = (BatchKVCache.merge(self.stock[:2]), BatchKVCache.merge(self.stock[2:]))
         # The batch's latent as one plain array, for mx.quantize alone.
         self.batch_latent = mx.array(self.batch.keys) if not bits else None
@@ -193,7 +196,7 @@ def ops(data, args, tmp, bits):
     single_latent = lambda: data.latents[0][0]  # noqa: E731
     batch_latent = lambda: data.batch_latent  # noqa: E731
     entries = [
-        entry("merge", real, lambda: data.ours, merge(BatchMLALatentCache), lambda: data.stock, merge(BatchKVCache)),
+        entry("merge", real, lambda: data.ours, merge(BatchKVCache), lambda: data.stock, merge(BatchKVCache)),
         entry("extract", data.lengths[1], lambda: data.batch, extract, lambda: data.stock_batch, extract),
         entry("filter", sum(data.lengths[1:]), lambda: copy_of(data.batch), filt, lambda: copy_of(data.stock_batch), filt),
         entry(

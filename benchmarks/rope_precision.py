@@ -16,30 +16,29 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla import MLALatentCache, tiny
+from mlx_lm_mla import QuantizedLatentCache, tiny
 
 
-class RopeQuantizedCache(MLALatentCache):
+class RopeQuantizedCache(QuantizedLatentCache):
     """For this measurement only: also rounds the RoPE key to bits."""
 
     rope_bits = None
 
     def update_and_fetch(self, latent, rope):
         latent, rope = super().update_and_fetch(latent, rope)
-        if self.rope_bits:
-            # Round every cached position, as a quantized store would.
-            q = mx.quantize(rope, group_size=self.group_size, bits=self.rope_bits)
-            rope = mx.dequantize(*q, group_size=self.group_size, bits=self.rope_bits)
-        return latent, rope
+        # Round every cached position, as a quantized store would.
+        q = mx.quantize(rope, group_size=self.group_size, bits=self.rope_bits)
+        return latent, mx.dequantize(*q, group_size=self.group_size, bits=self.rope_bits)
 
 
 def logits(model, tokens, prefill, bits, quantize_rope):
-    cache = [RopeQuantizedCache() for _ in make_prompt_cache(model)]
+    cache = make_prompt_cache(model)
     model(mx.array([tokens[:prefill]]), cache=cache)
     for c in cache:
         if bits:
-            c.to_quantized(group_size=64, bits=bits)
-            c.rope_bits = bits if quantize_rope else None
+            c.to_quantized(group_size=64, bits=bits)  # in place
+            if quantize_rope:
+                c.__class__, c.rope_bits = RopeQuantizedCache, bits
     steps = [model(mx.array([[t]]), cache=cache) for t in tokens[prefill:]]
     return mx.concatenate(steps, axis=1)
 

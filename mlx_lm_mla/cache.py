@@ -153,7 +153,7 @@ class _PackedLatent:
 
     @property
     def meta_state(self):
-        base = _base_property(self, "meta_state").fget(self)
+        base = _base_property(self, "meta_state").fget(self) if _META else ()
         base = tuple(base) if isinstance(base, (list, tuple)) else ()
         return base + (self._format_str(),)
 
