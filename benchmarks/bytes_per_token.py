@@ -135,6 +135,7 @@ def single_rows(shape, n, args, dtype):
         name = f"QuantizedLatentCache {bits}-bit" if bits else f"KVCache {args.dtype} (stock)"
         rows.append(row(name, nb, held, floor, note="keys=latent, values=rope"))
 
+    floor = floor_bytes(shape, dbytes)
     per_tok = expanded_bytes(shape, dbytes)
     if per_tok * n <= args.max_alloc_mb * 2**20:
         widths = (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"], shape["v_head_dim"], shape["heads"])
