@@ -37,6 +37,7 @@ quantize an MLA cache).
 """
 
 import argparse
+import copy
 import gc
 import os
 import sys
@@ -68,7 +69,7 @@ def copy_of(cache):
     """An independent cache with the same state (views of the same arrays;
     MLX copies on write where needed)."""
     if isinstance(cache, (QuantizedLatentCache, BatchQuantizedLatentCache)):
-        c = type(cache).from_state(cache.state, cache.meta_state)
+        c = copy.copy(cache)  # ops replace its arrays, never write into them
     elif isinstance(cache, BatchKVCache):
         c = BatchKVCache([0])
         c.state = cache.state

@@ -1,13 +1,18 @@
 """Command line: ``mlx-lm-mla repro`` replays the reported failure;
-``mlx-lm-mla serve [mlx_lm.server flags]`` runs the server with the fix.
-Also ``python -m mlx_lm_mla ...``."""
+``mlx-lm-mla serve [mlx_lm.server flags]`` runs the server with the fix;
+``mlx-lm-mla upstream-patch DIR`` writes the upstream form of the fix into
+an mlx-lm source tree. Also ``python -m mlx_lm_mla ...``."""
 
 import sys
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"repro": "mlx_lm_mla.repro", "serve": "mlx_lm_mla.server"}
+    commands = {
+        "repro": "mlx_lm_mla.repro",
+        "serve": "mlx_lm_mla.server",
+        "upstream-patch": "mlx_lm_mla.upstream",
+    }
     if not argv or argv[0] not in commands:
         print(f"usage: mlx-lm-mla {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

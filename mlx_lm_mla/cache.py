@@ -7,7 +7,7 @@ caches serve them well; only quantization goes wrong, since
 ``QuantizedKVCache`` hands the model lists where it expects arrays.
 
 Everything below the marker line is the upstream form of the fix: the
-``upstream-patch`` command appends it to ``mlx_lm/models/cache.py``.
+``upstream-patch`` command appends it, as it is, to ``mlx_lm/models/cache.py``.
 """
 
 import copy
@@ -19,79 +19,69 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 def is_latent_layout(cache):
-    """True for a cache that holds an MLA latent: one head, and keys (the
-    latent) of another width than values (the RoPE key). DeepSeek-V3.2's
-    indexer keeps keys with empty values; that is not a latent."""
+    """True for a cache holding an MLA latent: one head, keys (the latent)
+    and values (the RoPE key) of different, non-zero widths."""
     k, v = getattr(cache, "keys", None), getattr(cache, "values", None)
-    return (
-        isinstance(k, mx.array)
-        and isinstance(v, mx.array)
-        and k.ndim == v.ndim == 4
-        and k.shape[1] == v.shape[1] == 1
-        and k.shape[-1] != v.shape[-1]
-        and v.shape[-1] > 0
-    )
+    if not (isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4):
+        return False
+    return k.shape[1] == v.shape[1] == 1 and 0 < v.shape[-1] != k.shape[-1]
 
 
 def _ints(x):
-    # Callers pass lists, tuples or mx.arrays; mlx 0.31 cannot index a list
-    # with the 0-d arrays that iterating an mx.array gives.
+    # mlx 0.31 cannot index a list with the 0-d arrays an mx.array yields.
     return x.tolist() if isinstance(x, mx.array) else [int(i) for i in x]
 
 
-class _PackedLatent:
-    """Keeps the latent quantized by storing bytes in the base cache.
+_META = hasattr(KVCache, "meta_state")  # mlx-lm 0.31 saves a meta_state
 
-    The keys are the bytes of ``mx.quantize``'s packed latent, scales and
-    biases, one row per token; the values are the bytes of the RoPE key. So
-    the base class's growth, rotation, padding, filter, merge and extract
-    move whole tokens without knowing the layout, and ``update_and_fetch``
-    hands the model the dequantized latent and the exact RoPE key. There is
-    no ``bits`` attribute: it would switch the model to quantized attention,
-    and MLA needs the latent itself.
+
+class _PackedLatent:
+    """Stores the quantized latent as bytes in the base cache: the keys hold
+    the packed latent, scales and biases, the values the RoPE key, one row
+    per token, so the base class moves whole tokens in every op. No ``bits``
+    attribute: models would take quantized attention, MLA needs the latent.
     """
 
-    # The format is plain values (dtype names), so deepcopy and save work.
     def _set_format(self, group_size, bits, width, dtype, rope_width, rope_dtype):
+        # Plain values (dtype names), so deepcopy and save work.
         self.group_size, self.latent_bits = group_size, bits
         self._format = (group_size, bits, width, dtype, rope_width, rope_dtype)
 
+    def _sizes(self):
+        g, b, w, d, rw, rd = self._format
+        scales = w // g * getattr(mx, d).size
+        return w * b // 8, scales, rw * getattr(mx, rd).size
+
     def _encode(self, latent, rope):
-        # Like KVCache, other dtypes are cast; other widths are refused.
-        group_size, bits, width, dtype, rope_width, rope_dtype = self._format
-        if (latent.shape[-1], rope.shape[-1]) != (width, rope_width):
+        g, b, w, d, rw, rd = self._format
+        if (latent.shape[-1], rope.shape[-1]) != (w, rw):
             raise ValueError(
                 f"{type(self).__name__}: got a latent of width {latent.shape[-1]} "
                 f"and a RoPE key of width {rope.shape[-1]}; the cache holds "
-                f"widths {width} and {rope_width}"
+                f"widths {w} and {rw}"
             )
-        latent = latent.astype(getattr(mx, dtype))
-        parts = mx.quantize(latent, group_size=group_size, bits=bits)
+        # Other dtypes are cast, as KVCache does.
+        parts = mx.quantize(latent.astype(getattr(mx, d)), group_size=g, bits=b)
         packed = mx.concatenate([mx.view(p, mx.uint8) for p in parts], axis=-1)
-        return packed, mx.view(rope.astype(getattr(mx, rope_dtype)), mx.uint8)
+        return packed, mx.view(rope.astype(getattr(mx, rd)), mx.uint8)
 
-    def _decode(self, packed, rope):
-        group_size, bits, width, dtype, _, rope_dtype = self._format
-        dtype = getattr(mx, dtype)
-        w = width * bits // 8
-        s = width // group_size * dtype.size
+    def _decode(self, keys, values):
+        g, b, _, d, _, rd = self._format
+        w, s, _ = self._sizes()
+        q, scales, biases = keys[..., :w], keys[..., w : w + s], keys[..., w + s :]
+        scales, biases = (mx.view(x, getattr(mx, d)) for x in (scales, biases))
         latent = mx.dequantize(
-            mx.view(packed[..., :w], mx.uint32),
-            mx.view(packed[..., w : w + s], dtype),
-            mx.view(packed[..., w + s :], dtype),
-            group_size=group_size,
-            bits=bits,
+            mx.view(q, mx.uint32), scales, biases, group_size=g, bits=b
         )
-        return latent, mx.view(rope, getattr(mx, rope_dtype))
+        return latent, mx.view(values, getattr(mx, rd))
 
     def update_and_fetch(self, latent, rope):
         return self._decode(*super().update_and_fetch(*self._encode(latent, rope)))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Returns ``self``, already quantized with these settings. Other
-        settings are refused: requantizing would add error silently."""
-        group_size, bits = int(group_size), int(bits)
-        if (group_size, bits) != (self.group_size, self.latent_bits):
+        """Returns ``self``. Other settings are refused: requantizing would
+        add error silently."""
+        if (int(group_size), int(bits)) != (self.group_size, self.latent_bits):
             raise ValueError(
                 f"{type(self).__name__} is quantized with group_size "
                 f"{self.group_size} and {self.latent_bits} bits; refusing to "
@@ -105,87 +95,62 @@ class _PackedLatent:
     def make_mask(self, N, *args, **kwargs):
         return super().make_mask(int(N), *args, **kwargs)
 
-    # The format travels in meta_state (mlx-lm 0.31) or in state (0.32).
-    def _format_str(self):
-        return ",".join(map(str, self._format))
-
-    def _read_format(self, text):
-        try:
-            g, b, w, d, rw, rd = str(text).split(",")
-            fmt = (int(g), int(b), int(w), d, int(rw), rd)
-            getattr(mx, d), getattr(mx, rd)
-        except (ValueError, AttributeError):
-            raise ValueError(f"{type(self).__name__}: unreadable format {text!r}")
-        self._set_format(*fmt)
-
+    # The format travels in meta_state (mlx-lm 0.31) or at the end of state.
     @property
     def state(self):
         state = tuple(super().state)
-        return state if _META else state + (self._format_str(),)
+        return state if _META else state + (",".join(map(str, self._format)),)
 
     @state.setter
     def state(self, v):
         v = tuple(v)
         if not _META:
             self._read_format(v[-1])
-            v = v[:-1]
-        self._check_bytes(*v[:2])
-        _base_property(self, "state").fset(self, v)
+        super(_PackedLatent, type(self)).state.fset(self, v if _META else v[:-1])
+        if not _META:
+            self._check_bytes()
 
-    def _check_bytes(self, keys, values):
-        """Refuses saved arrays that do not hold this format's tokens."""
-        group_size, bits, width, dtype, rope_width, rope_dtype = self._format
-        key_bytes = width * bits // 8 + 2 * width // group_size * getattr(mx, dtype).size
-        rope_bytes = rope_width * getattr(mx, rope_dtype).size
-        for name, x, n in (("latent", keys, key_bytes), ("RoPE key", values, rope_bytes)):
-            if not (isinstance(x, mx.array) and x.dtype == mx.uint8 and x.ndim == 4):
-                raise ValueError(f"{type(self).__name__} state: the {name} is not packed bytes")
-            if x.shape[1] != 1 or x.shape[-1] != n:
-                raise ValueError(
-                    f"{type(self).__name__} state: the {name} has shape {x.shape}, "
-                    f"expected (B, 1, L, {n}) for {self._format_str()}"
-                )
-        if keys.shape[:3] != values.shape[:3]:
+    if _META:  # meta_state exists only where mlx-lm has one
+
+        @property
+        def meta_state(self):
+            base = super().meta_state
+            base = tuple(base) if isinstance(base, (list, tuple)) else ()
+            return base + (",".join(map(str, self._format)),)
+
+        @meta_state.setter
+        def meta_state(self, v):
+            *base, text = v
+            self._read_format(text)
+            if base:
+                super(_PackedLatent, type(self)).meta_state.fset(self, base)
+            self._check_bytes()  # from_state sets the state first
+
+    def _read_format(self, text):
+        try:
+            g, b, w, d, rw, rd = str(text).split(",")
+            getattr(mx, d), getattr(mx, rd)
+            self._set_format(int(g), int(b), int(w), d, int(rw), rd)
+        except (ValueError, AttributeError):
+            raise ValueError(f"{type(self).__name__} state: bad format {text!r}")
+
+    def _check_bytes(self):
+        keys, values, (w, s, r) = self.keys, self.values, self._sizes()
+        shapes = [getattr(x, "shape", type(x).__name__) for x in (keys, values)]
+        if not (
+            all(isinstance(x, mx.array) and x.dtype == mx.uint8 for x in (keys, values))
+            and shapes == [(*keys.shape[:3], w + 2 * s), (*keys.shape[:3], r)]
+            and keys.ndim == 4
+            and keys.shape[1] == 1
+        ):
             raise ValueError(
-                f"{type(self).__name__} state: the latent {keys.shape} and the RoPE "
-                f"key {values.shape} disagree on batch or length"
+                f"{type(self).__name__} state: expected uint8 arrays (B, 1, L, "
+                f"{w + 2 * s}) and (B, 1, L, {r}), got {shapes}"
             )
-
-    @property
-    def meta_state(self):
-        base = _base_property(self, "meta_state").fget(self) if _META else ()
-        base = tuple(base) if isinstance(base, (list, tuple)) else ()
-        return base + (self._format_str(),)
-
-    @meta_state.setter
-    def meta_state(self, v):
-        v = tuple(v)
-        self._read_format(v[-1])
-        if v[:-1]:
-            _base_property(self, "meta_state").fset(self, v[:-1])
-
-    @classmethod
-    def from_state(cls, state, meta_state=None):
-        obj = cls.__new__(cls)
-        if _META:
-            obj.meta_state = meta_state
-        obj.state = state
-        return obj
-
-
-_META = hasattr(KVCache, "meta_state")  # mlx-lm 0.31 saves meta_state
-
-
-def _base_property(obj, name):
-    for base in type(obj).__mro__[2:]:
-        if isinstance(vars(base).get(name), property):
-            return vars(base)[name]
-    raise AttributeError(name)
 
 
 class QuantizedLatentCache(_PackedLatent, KVCache):
-    """A ``KVCache`` whose latent is quantized. Made in place by
-    ``quantize_latent``."""
+    """A ``KVCache`` whose latent is quantized (see ``quantize_latent``)."""
 
     @classmethod
     def merge(cls, caches):
@@ -193,25 +158,16 @@ class QuantizedLatentCache(_PackedLatent, KVCache):
 
 
 class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
-    """A ``BatchKVCache`` whose latent is quantized: one precision for the
-    whole batch, and rows that join it are quantized too."""
+    """A ``BatchKVCache`` whose latent is quantized. One precision for the
+    batch: exact rows that join it are quantized."""
 
     def filter(self, batch_indices):
         super().filter(_ints(batch_indices))
 
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
-        args = (left_padding, lengths, right_padding)
-        left_padding, lengths, right_padding = (
-            None if a is None else _ints(a) for a in args
-        )
-        super().prepare(
-            left_padding=left_padding, lengths=lengths, right_padding=right_padding
-        )
-
     def extend(self, other):
         if not isinstance(other, _PackedLatent) and is_latent_layout(other):
             other = quantize_latent(copy.copy(other), self.group_size, self.latent_bits)
-        _check_same_format([self, other], "extend")
+        _same_format([self, other], "extend")
         super().extend(other)
 
     def extract(self, idx):
@@ -222,26 +178,26 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
 
     @classmethod
     def merge(cls, caches):
-        """A quantized batch from single caches, exact ones quantized to match."""
-        quantized = [c for c in caches if isinstance(c, _PackedLatent)]
-        if not quantized:
+        """A quantized batch of single caches, exact ones quantized to match."""
+        first = next((c for c in caches if isinstance(c, _PackedLatent)), None)
+        if first is None:
             raise ValueError(f"{cls.__name__}.merge: no quantized cache to merge")
-        group_size, bits = quantized[0].group_size, quantized[0].latent_bits
         caches = [
-            c
-            if isinstance(c, _PackedLatent) or c.empty()
-            else quantize_latent(copy.copy(c), group_size, bits)
+            (
+                c
+                if isinstance(c, _PackedLatent) or c.empty()
+                else quantize_latent(copy.copy(c), first.group_size, first.latent_bits)
+            )
             for c in caches
         ]
-        fmt = _check_same_format(caches, "merge")
+        fmt = _same_format(caches, "merge")
         batch = super().merge(caches)
-        if type(batch) is not cls:  # every cache was empty
-            batch.__class__ = cls
+        batch.__class__ = cls  # also when every cache was empty
         batch._set_format(*fmt)
         return batch
 
 
-def _check_same_format(caches, op):
+def _same_format(caches, op):
     formats = {c._format for c in caches if isinstance(c, _PackedLatent)}
     if len(formats) != 1:
         raise ValueError(
@@ -252,7 +208,7 @@ def _check_same_format(caches, op):
 
 
 class LatentKVCache(KVCache):
-    """The cache of an MLA layer: a ``KVCache`` that quantizes its latent
+    """The cache an MLA model makes: a ``KVCache`` that quantizes its latent
     in place."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
@@ -264,7 +220,7 @@ class LatentKVCache(KVCache):
 
 
 class BatchLatentKVCache(BatchKVCache):
-    """The batch form of ``LatentKVCache``."""
+    """The batch of ``LatentKVCache``s."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         return quantize_latent(self, group_size, bits)
@@ -287,34 +243,32 @@ class BatchLatentKVCache(BatchKVCache):
 
 
 def extend_latent(batch, other, extend):
-    """Rows follow the batch, or the batch follows quantized rows."""
+    """A batch that takes quantized rows is quantized first."""
     if isinstance(other, _PackedLatent):
         quantize_latent(batch, other.group_size, other.latent_bits, like=other)
         return batch.extend(other)
     return extend(other)
 
 
-def _dtype_name(dtype):
-    return str(dtype).rsplit(".", 1)[-1]
-
-
 # Which quantized class each cache class turns into.
-QUANTIZED_LATENT = {KVCache: QuantizedLatentCache, BatchKVCache: BatchQuantizedLatentCache}
+QUANTIZED_LATENT = {
+    KVCache: QuantizedLatentCache,
+    LatentKVCache: QuantizedLatentCache,
+    BatchKVCache: BatchQuantizedLatentCache,
+    BatchLatentKVCache: BatchQuantizedLatentCache,
+}
 
 
 def quantize_latent(cache, group_size: int = 64, bits: int = 4, like=None):
-    """Quantizes the latent of ``cache`` in place and returns it.
-
-    The object stays the same, so a caller that quantized a copy of the cache
-    list still sees it quantized. An empty cache takes its format from
-    ``like``, a quantized cache it will be batched with.
-    """
-    group_size, bits = int(group_size), int(bits)
+    """Quantizes the latent of ``cache`` in place and returns it: the same
+    object, so a caller that quantized a copy of the cache list still sees
+    it quantized. An empty cache takes the format of ``like``."""
     if isinstance(cache, _PackedLatent):
         return cache.to_quantized(group_size, bits)
-    target = next(
-        (QUANTIZED_LATENT[c] for c in type(cache).__mro__ if c in QUANTIZED_LATENT),
-        None,
+    target, group_size, bits = (
+        QUANTIZED_LATENT.get(type(cache)),
+        int(group_size),
+        int(bits),
     )
     if target is None:
         raise TypeError(f"quantize_latent: cannot quantize a {type(cache).__name__}")
@@ -322,25 +276,15 @@ def quantize_latent(cache, group_size: int = 64, bits: int = 4, like=None):
         cache.__class__ = target
         cache._set_format(*like._format)
         return cache
-    if not is_latent_layout(cache):
+    keys, values = cache.keys, cache.values
+    if not is_latent_layout(cache) or keys.shape[-1] % group_size:
         raise ValueError(
-            f"quantize_latent: the {type(cache).__name__} does not hold an MLA "
-            "latent (one head, keys and values of different widths)"
-        )
-    width = cache.keys.shape[-1]
-    if width % group_size:
-        raise ValueError(
-            f"quantize_latent: the latent width {width} is not a multiple of "
-            f"group_size {group_size}"
+            f"quantize_latent: the {type(cache).__name__} holds no MLA latent in "
+            f"groups of {group_size}: keys {getattr(keys, 'shape', None)}, values "
+            f"{getattr(values, 'shape', None)} (expected one head, different widths)"
         )
     cache.__class__ = target
-    cache._set_format(
-        group_size,
-        bits,
-        width,
-        _dtype_name(cache.keys.dtype),
-        cache.values.shape[-1],
-        _dtype_name(cache.values.dtype),
-    )
-    cache.keys, cache.values = cache._encode(cache.keys, cache.values)
+    d, rd = (str(x.dtype).rsplit(".", 1)[-1] for x in (keys, values))
+    cache._set_format(group_size, bits, keys.shape[-1], d, values.shape[-1], rd)
+    cache.keys, cache.values = cache._encode(keys, values)
     return cache

@@ -8,14 +8,12 @@ says so once.
 """
 
 import importlib
-import logging
 import sys
 import types
 import warnings
 
-from . import faults, guards, hooks
+from . import faults, guards, hooks, window  # noqa: F401 (window registers its class)
 from .cache import QUANTIZED_LATENT
-from .window import QuantizedRotatingLatentCache  # noqa: F401 (registers it)
 
 # Tested range of mlx-lm: [low, high).
 SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlx_lm_mla import BatchQuantizedLatentCache, QuantizedLatentCache, tiny
+from mlx_lm_mla import QuantizedLatentCache, tiny
 
 PROMPTS = [
     [(3 * i + 5) % 190 + 5 for i in range(n)] for n in (5, 17, 9, 12)

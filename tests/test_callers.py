@@ -188,7 +188,7 @@ def restore(layer):
     """A layer saved as (class name, state, meta_state) and restored by name."""
     name, state = type(layer).__name__, layer.state
     cls = getattr(cache_module, name)
-    if hasattr(layer, "meta_state"):  # mlx-lm 0.31
+    if hasattr(cache_module.KVCache, "meta_state"):  # mlx-lm 0.31
         return cls.from_state(state, layer.meta_state)
     return cls.from_state(state)
 

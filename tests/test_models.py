@@ -4,7 +4,7 @@ stock's caches until quantization, latent-quantized caches after."""
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache, tiny
 from mlx_lm_mla.cache import is_latent_layout
