@@ -3,6 +3,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
+from mlx_lm_mla.guards import _leaves as leaves  # layer caches, CacheList members too
 
 LATENT = 64
 ROPE = 16
@@ -45,13 +46,6 @@ def stock():
     mlx_lm_mla.uninstall()
 
 
-def leaves(caches):
-    for c in caches:
-        inner = getattr(c, "caches", None)
-        if isinstance(inner, (list, tuple)):
-            yield from leaves(inner)
-        else:
-            yield c
 
 
 @pytest.fixture

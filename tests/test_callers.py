@@ -181,6 +181,20 @@ def test_batched_replay_with_kv_bits_and_array_filters(model, array_filters, ins
     assert all(c.latent_bits == 4 for row in caches for c in row)
 
 
+def test_a_batched_window_with_kv_bits_stays_exact_and_bounded(model, array_filters, stock):
+    # The engines drop the window under kv_bits; a batched window never
+    # quantizes (see the README's limits), and gives stock's tokens.
+    expected, _ = batched(model, WINDOW)
+    mlx_lm_mla.install()
+    serve_settings(model, bits=4, start=16)
+    try:
+        got, caches = batched(model, WINDOW)
+    finally:
+        vars(model).pop("_mlx_lm_mla_kv")
+    assert got == expected
+    assert all(type(c) is RotatingKVCache and c.keys.shape[2] <= WINDOW for c in caches[3])
+
+
 # --- the disk prompt cache, by class name ------------------------------------
 
 
