@@ -5,7 +5,9 @@ rewrites one copy with ``python -m mlx_lm_mla upstream-patch``, and runs the
 sdist's tests/test_models.py and tests/test_prompt_cache.py against each
 copy alone (the package switched off, the tree first on the path). Fails if
 a test that passes on the release does not pass on the patched tree.
-Tests that need a Hugging Face model cannot run offline and fail on both.
+The Hugging Face model those tests load is stood in for by a tiny random
+one of its architecture, written into a local hub cache under its id
+(``tiny.write_hub_stand_in``), so they run offline.
 """
 
 import shutil
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import mlx_lm
 
+from mlx_lm_mla import tiny
+
 TESTS = ["test_models.py", "test_prompt_cache.py"]
 
 
@@ -29,7 +33,13 @@ def run(*cmd, **kwargs):
 
 def outcomes(tree, tests, work):
     report = work / f"{tree.name}.xml"
-    env = {"MLX_LM_MLA_DISABLE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
+    env = {
+        "MLX_LM_MLA_DISABLE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(work / "hub"),
+        "PYTHONPATH": str(tree),
+        "PATH": "/usr/bin:/bin",
+    }
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *TESTS],
         cwd=tests, env=env, timeout=1800,
@@ -55,6 +65,7 @@ def main():
     run(sys.executable, "-m", "mlx_lm_mla", "upstream-patch", patched)
     with tarfile.open(next((work / "sdist").glob("*.tar.gz"))) as t:
         t.extractall(work / "src")
+    tiny.write_hub_stand_in(work / "hub")
     tests = work / "tests"
     shutil.copytree(next((work / "src").glob("*/tests")), tests)
     before, after = outcomes(release, tests, work), outcomes(patched, tests, work)

@@ -414,6 +414,23 @@ _FULL_KV_CONFIGS = {
     "youtu_llm": _youtu_llm,
 }
 
+# Stand-ins for the hub models mlx-lm's own tests load (see write_hub_stand_in).
+_STAND_IN_CONFIGS = {
+    "qwen2": lambda: {
+        # head width 64, so mlx-lm's tests can quantize the cache in groups of 64
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB_SIZE,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+}
+
 # Vision-language wrappers that read the language model from text_config.
 _NESTED = ("kimi_vl", "kimi_k25")
 
@@ -443,7 +460,11 @@ def tiny_config(model_type: str, **overrides) -> dict:
     ``kimi_vl`` and ``kimi_k25`` is nested under ``text_config`` as in the
     real checkpoints.
     """
-    make = _MLA_CONFIGS.get(model_type) or _FULL_KV_CONFIGS.get(model_type)
+    make = (
+        _MLA_CONFIGS.get(model_type)
+        or _FULL_KV_CONFIGS.get(model_type)
+        or _STAND_IN_CONFIGS.get(model_type)
+    )
     if make is None:
         raise ValueError(f"No tiny config for model type {model_type!r}")
     config = {**make(), **_TOKEN_IDS, **overrides}
@@ -526,6 +547,17 @@ def save_model(
         json.dump(config, f, indent=4)
     write_tokenizer(path)
     return path
+
+
+def write_hub_stand_in(hub_dir, repo_id="mlx-community/Qwen1.5-0.5B-Chat-4bit"):
+    """A tiny random 4-bit Qwen2 in a Hugging Face hub cache, under repo_id,
+    so tests that load that model run offline (``HF_HUB_OFFLINE=1`` with
+    ``HF_HUB_CACHE=hub_dir``). Returns the snapshot folder."""
+    repo = Path(hub_dir) / ("models--" + repo_id.replace("/", "--"))
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return save_model(repo / "snapshots" / revision, "qwen2", quantize_bits=4)
 
 
 def write_tokenizer(path) -> None:

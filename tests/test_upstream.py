@@ -101,3 +101,17 @@ def test_the_patched_tree_passes_on_its_own(trees, tmp_path):
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout.splitlines()[-1]
+
+
+def test_the_hub_stand_in_loads_offline(tmp_path):
+    from mlx_lm_mla import tiny
+
+    tiny.write_hub_stand_in(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
+    code = (
+        "import mlx_lm; m, t = mlx_lm.load('mlx-community/Qwen1.5-0.5B-Chat-4bit'); "
+        "print(type(m).__module__, m.layers[0].self_attn.q_proj.bits)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["mlx_lm.models.qwen2", "4"]
