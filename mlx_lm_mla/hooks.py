@@ -10,10 +10,6 @@ module with a ``kv_lora_rank`` and the absorbed projections ``embed_q`` and
 per-head K/V and have no ``embed_q``.
 """
 
-import importlib
-import pkgutil
-from pathlib import Path
-
 from .cache import (
     QUANTIZED_LATENT,
     BatchQuantizedLatentCache,
@@ -36,29 +32,6 @@ def count_latent_attention(layer) -> int:
     """How many latent-caching attention modules one decoder layer has (two
     in LongCat-Flash, which runs two attention sublayers)."""
     return sum(is_latent_attention(m) for _, m in layer.named_modules())
-
-
-def candidate_model_types():
-    """Model modules in the installed mlx-lm that may cache a latent: those
-    that mention ``kv_lora_rank`` and those built on them (``kimi_k25`` wraps
-    ``deepseek_v3``). A text scan, so nothing is imported just to look."""
-    root = Path(importlib.import_module("mlx_lm.models").__path__[0])
-    sources = {
-        info.name: (root / f"{info.name}.py").read_text(encoding="utf-8")
-        for info in pkgutil.iter_modules([str(root)])
-        if (root / f"{info.name}.py").is_file()
-    }
-    found = {name for name, text in sources.items() if "kv_lora_rank" in text}
-    grew = True
-    while grew:
-        users = {
-            name
-            for name, text in sources.items()
-            if name not in found and any(f"from .{f} import" in text for f in found)
-        }
-        found |= users
-        grew = bool(users)
-    return sorted(found)
 
 
 def has_latent_attention(model) -> bool:
