@@ -26,6 +26,19 @@ def cached(model, prompt, n):
     return cache
 
 
+def drain(gen, uids):
+    """Runs gen to the end: the tokens of each uid, and the prompt caches
+    handed back with the finished rows."""
+    got, caches = {uid: [] for uid in uids}, {}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    gen.close()
+    return [got[uid] for uid in uids], [caches[uid] for uid in uids]
+
+
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32"])
 def test_batch_generator_matches_each_sequence_alone(model_type, installed):
     model, _ = tiny.build_model(model_type)
@@ -36,12 +49,7 @@ def test_batch_generator_matches_each_sequence_alone(model_type, installed):
     rests = [p[n:] for p, n in zip(PROMPTS, held)]
     gen = BatchGenerator(model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4)
     uids = gen.insert(rests, [8] * 4, caches=caches)
-    got = {uid: [] for uid in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
-    gen.close()
-    assert [got[uid] for uid in uids] == expected
+    assert drain(gen, uids)[0] == expected
 
 
 def test_a_batch_of_mla_caches_is_the_stock_batch_cache(installed):
@@ -61,15 +69,10 @@ def test_exact_and_quantized_prompt_caches_batch_together(installed):
         c.to_quantized(group_size=32, bits=8)
     gen = BatchGenerator(model, max_tokens=6, completion_batch_size=2, prefill_batch_size=2)
     uids = gen.insert([p[4:] for p in PROMPTS[:2]], [6, 6], caches=caches)
-    got = {uid: [] for uid in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                assert all(type(c) is QuantizedLatentCache for c in r.prompt_cache)
-    gen.close()
-    assert len(got[uids[0]]) == len(got[uids[1]]) == 6
-    assert got[uids[0]][:2] == expected[0][:2]  # 8-bit rounding may turn later tokens
+    got, handed_back = drain(gen, uids)
+    assert all(type(c) is QuantizedLatentCache for row in handed_back for c in row)
+    assert len(got[0]) == len(got[1]) == 6
+    assert got[0][:2] == expected[0][:2]  # 8-bit rounding may turn later tokens
 
 
 def test_batch_generate_with_prompt_caches(installed, tmp_path):
@@ -124,16 +127,10 @@ def test_a_batch_served_with_kv_bits_quantizes_once_its_longest_row_crosses(inst
         for p in PROMPTS
     ]
     gen = BatchGenerator(model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4)
-    uids = gen.insert(PROMPTS, [8] * 4)
-    got = {uid: [] for uid in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                # the batch crossed 12 tokens, so every cache handed back is quantized
-                assert all(type(c) is QuantizedLatentCache for c in r.prompt_cache)
-                assert all(c.latent_bits == 8 for c in r.prompt_cache)
-    gen.close()
+    got, handed_back = drain(gen, gen.insert(PROMPTS, [8] * 4))
+    # the batch crossed 12 tokens, so every cache handed back is quantized
+    assert all(type(c) is QuantizedLatentCache for row in handed_back for c in row)
+    assert all(c.latent_bits == 8 for row in handed_back for c in row)
     # A row follows its batch, so it may quantize earlier than alone: close, not equal.
-    agree = sum(a == b for uid, e in zip(uids, expected) for a, b in zip(got[uid], e))
-    assert all(len(got[uid]) == 8 for uid in uids) and agree >= 24
+    agree = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert all(len(g) == 8 for g in got) and agree >= 24

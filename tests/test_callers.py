@@ -30,7 +30,7 @@ from mlx_lm.models.cache import (
 import mlx_lm_mla
 from mlx_lm_mla import tiny
 
-from test_batching import serve_settings
+from test_batching import drain, serve_settings
 
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
 WINDOW = 48
@@ -151,15 +151,7 @@ def batched(model, window, lengths=(3, 9, 5, 12)):
     gen = BatchGenerator(
         model, max_tokens=12, completion_batch_size=4, prefill_batch_size=4, max_kv_size=window
     )
-    uids = gen.insert(prompts, list(lengths))  # rows finish at different steps
-    got, caches = {uid: [] for uid in uids}, {}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    gen.close()
-    return [got[u] for u in uids], [caches[u] for u in uids]
+    return drain(gen, gen.insert(prompts, list(lengths)))  # rows finish at different steps
 
 
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["plain", "window"])
