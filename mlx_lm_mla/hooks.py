@@ -92,9 +92,9 @@ def latent_extend(original):
     quantized first, so one batch holds one precision."""
 
     def extend(self, other):
-        if isinstance(other, _PackedLatent) and not isinstance(self, _PackedLatent):
-            return extend_latent(self, other, None)
-        return original(self, other)
+        if isinstance(self, _PackedLatent):  # reached through its super()
+            return original(self, other)
+        return extend_latent(self, other, lambda o: original(self, o))
 
     extend.mlx_lm_mla_original = original
     return extend

@@ -26,7 +26,7 @@ def chunked_logits(model, cache, tokens, chunks=(9, 6)):
     return mx.concatenate(out, axis=1)
 
 
-def latent_caches(model, caches):
+def latent_caches(caches):
     """The caches that hold a latent once the model ran."""
     return [c for c in leaves(caches) if is_latent_layout(c)]
 
@@ -38,8 +38,8 @@ def test_every_latent_attention_keeps_the_stock_cache(model_type, installed, sto
     assert [type(c) for c in leaves(caches)] == stock_caches(model)
     model(mx.array([PROMPT[:5]]), cache=caches)
     expected = sum(count_latent_attention(layer) for layer in model.layers)
-    assert expected > 0 and len(latent_caches(model, caches)) == expected
-    assert all(type(c) is KVCache for c in latent_caches(model, caches))
+    assert expected > 0 and len(latent_caches(caches)) == expected
+    assert all(type(c) is KVCache for c in latent_caches(caches))
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
@@ -49,7 +49,7 @@ def test_logits_with_a_quantizable_cache_match_a_full_forward(model_type, instal
     cache = make_prompt_cache(model)
     got = chunked_logits(model, cache, PROMPT)
     assert mx.allclose(got, full, atol=1e-4, rtol=1e-4).item()
-    assert all(c.offset == len(PROMPT) for c in latent_caches(model, cache))
+    assert all(c.offset == len(PROMPT) for c in latent_caches(cache))
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
@@ -70,7 +70,7 @@ def test_quantized_latent_cache_runs_every_architecture(model_type, bits, instal
     model, _ = tiny.build_model(model_type)
     cache = make_prompt_cache(model)
     model(mx.array([PROMPT[:10]]), cache=cache)
-    held = latent_caches(model, cache)
+    held = latent_caches(cache)
     for c in held:
         assert c.to_quantized(group_size=32, bits=bits) is c
     assert held and all(c.latent_bits == bits for c in held)
