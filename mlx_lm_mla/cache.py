@@ -120,7 +120,7 @@ class _PackedLatent:
 
         @meta_state.setter
         def meta_state(self, v):
-            *base, text = v
+            *base, text = v or ("",)
             self._read_format(text)
             if base:
                 super(_PackedLatent, type(self)).meta_state.fset(self, base)
@@ -132,7 +132,9 @@ class _PackedLatent:
             getattr(mx, d), getattr(mx, rd)
             self._set_format(int(g), int(b), int(w), d, int(rw), rd)
         except (ValueError, AttributeError):
-            raise ValueError(f"{type(self).__name__} state: bad format {text!r}")
+            raise ValueError(
+                f"{type(self).__name__} state: no quantization format, got {text!r} (a cache saved unquantized?)"
+            )
 
     def _check_bytes(self):
         keys, values, (w, s, r) = self.keys, self.values, self._sizes()

@@ -1,92 +1,21 @@
 """Checks on the paths where a cache is reused, so a bad cache is refused
 with a clear error instead of poisoning later requests."""
 
-import json
 import logging
-import math
-import os
-import struct
 import threading
+import time
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-    "C64": 8,
-}
-
-
-class CorruptCacheFile(ValueError):
-    """A prompt cache file that cannot be what it claims to be."""
-
-
-def check_cache_file(path):
-    """Checks that a ``.safetensors`` prompt cache file is whole: a readable
-    header, and every tensor's bytes inside the file. Older MLX reads past
-    the end of a truncated file without an error, which would load garbage.
-    """
-    path = os.fspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptCacheFile(
-                f"prompt cache file {path} is too short ({size} bytes)"
-            )
-        (header_len,) = struct.unpack("<Q", head)
-        if 8 + header_len > size:
-            raise CorruptCacheFile(
-                f"prompt cache file {path} is truncated: its header needs "
-                f"{8 + header_len} bytes, the file has {size}"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as e:
-            raise CorruptCacheFile(
-                f"prompt cache file {path} has an unreadable header: {e}"
-            )
-    if not isinstance(header, dict):
-        raise CorruptCacheFile(f"prompt cache file {path} has an unreadable header")
-    data = size - 8 - header_len
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, end = info["data_offsets"]
-            expected = math.prod(info["shape"]) * _DTYPE_BYTES.get(info["dtype"], 0)
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCacheFile(
-                f"prompt cache file {path}: tensor {name!r} is malformed"
-            )
-        if end > data or end - start < 0 or (expected and end - start != expected):
-            raise CorruptCacheFile(
-                f"prompt cache file {path} is truncated or corrupt: tensor "
-                f"{name!r} needs bytes {start}..{end} of {data}"
-            )
 
 
 # --- the prompt cache shared across requests (LRUPromptCache) ---------------
 
 # "cache_prompt": false (LM Studio clients send it): the request neither
-# reuses nor stores a prompt cache. The handler tags the request, the
-# generation thread notes the request it took last, and the prompt cache
-# looks at that note; prompts not to store are kept until their final insert.
+# reuses nor stores a prompt cache. The mark is on the request itself, so
+# concurrent requests cannot touch each other's caches. The generation
+# thread notes the request it is tokenizing (the fetch follows at once) and
+# the request whose reply it just ended (its final insert follows at once).
 _taken = threading.local()
-_no_store = []
 
 
 def tag_request(request, body):
@@ -97,26 +26,30 @@ def tag_request(request, body):
             pass
 
 
-def wants_prompt_cache():
-    request = getattr(_taken, "request", None)
+def _stores(request):
     return getattr(request, "mlx_lm_mla_cache_prompt", True) is not False
 
 
-def _remember_no_store(tokens):
-    _no_store.append(list(tokens))
-    del _no_store[:-64]  # a cancelled request never sends its final insert
+def no_store_tokenize(original):
+    """``ResponseGenerator._tokenize`` that notes the request for the fetch
+    that follows, and gives a no-store request no segments to store."""
+
+    def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
+        _taken.request = request
+        result = original(self, tokenizer, request, args, *rest, **kwargs)
+        if _stores(request):
+            return result
+        request.mlx_lm_mla_prompt = list(result[0])
+        return (result[0], result[1], [], *result[3:])
+
+    _tokenize.mlx_lm_mla_original = original
+    return _tokenize
 
 
-def _is_no_store(tokens, final):
-    # The request's own caches: its prompt's segments (a prefix of the
-    # prompt) and its final one (the prompt and what it generated).
-    for prompt in _no_store:
-        n = min(len(prompt), len(tokens))
-        if tokens[:n] == prompt[:n]:
-            if final:
-                _no_store.remove(prompt)
-            return True
-    return False
+def _ended(request):
+    # Called as the request's reply ends: its final insert comes next.
+    if not _stores(request):
+        _taken.skip_insert = getattr(request, "mlx_lm_mla_prompt", None)
 
 
 def _leaves(caches):
@@ -130,8 +63,10 @@ def _leaves(caches):
 
 def cache_problem(caches, length):
     """Why a prompt cache cannot hold ``length`` tokens, or None if it can:
-    every layer is a known cache class, its state is arrays (or scalars), and
-    every layer with an ``offset`` holds exactly ``length`` tokens."""
+    every layer with an integer ``offset`` holds exactly ``length`` tokens,
+    and a layer of an mlx-lm cache class has a state of arrays (or scalars).
+    Caches of other classes (mlx-vlm's, custom ones) are stored as upstream
+    stores them: their state is theirs to define."""
     import mlx.core as mx
     import mlx_lm.models.cache as cache_module
     from mlx.utils import tree_flatten
@@ -140,8 +75,11 @@ def cache_problem(caches, length):
         return f"not a list of layer caches: {type(caches).__name__}"
     for i, c in enumerate(_leaves(caches)):
         name = type(c).__name__
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int) and offset != length:
+            return f"layer {i}: {name} holds {offset} tokens, expected {length}"
         if getattr(cache_module, name, None) is not type(c):
-            return f"layer {i}: unknown cache class {name}"
+            continue
         try:
             state = c.state
         except Exception as e:
@@ -154,9 +92,6 @@ def cache_problem(caches, length):
             value = getattr(c, field, None)
             if not hasattr(c, "bits") and not isinstance(value, (mx.array, type(None))):
                 return f"layer {i}: {name}.{field} is a {type(value).__name__}, not an array"
-        offset = getattr(c, "offset", None)
-        if isinstance(offset, int) and offset != length:
-            return f"layer {i}: {name} holds {offset} tokens, expected {length}"
     return None
 
 
@@ -169,11 +104,10 @@ def _evict(store, model, key):
 
 def guarded_fetch(original):
     """``LRUPromptCache.fetch_nearest_cache`` that never hands out a bad cache
-    and never an empty remainder."""
+    and never an empty remainder for a prompt that has tokens."""
 
     def fetch_nearest_cache(self, model, tokens):
-        if not wants_prompt_cache():
-            _remember_no_store(tokens)
+        if not _stores(getattr(_taken, "request", None)):
             return None, tokens
         # Evict any candidate entry that does not hold what its key says.
         found = self._trie.search(model, tokens)
@@ -195,14 +129,14 @@ def guarded_fetch(original):
             return cache, rest
         if cache_problem(cache, len(tokens) - len(rest)):
             return None, tokens
-        if not rest:
-            # An exact hit: step back one token so there is one to process.
-            if all(c.is_trimmable() for c in cache) and len(tokens) > 0:
-                for c in cache:
-                    c.trim(1)
-                return cache, tokens[-1:]
-            return None, tokens
-        return cache, rest
+        if rest or not tokens:
+            return cache, rest
+        # An exact hit: step back one token so there is one to process.
+        if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+            for c in cache:
+                c.trim(1)
+            return cache, tokens[-1:]
+        return None, tokens
 
     fetch_nearest_cache.mlx_lm_mla_original = original
     return fetch_nearest_cache
@@ -213,10 +147,9 @@ def guarded_insert(original):
     hold exactly the tokens of its key (a partial or broken one)."""
 
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
-        if _is_no_store(
-            tokens, final=kwargs.get("cache_type", "assistant") == "assistant"
-        ):
-            return
+        skip, _taken.skip_insert = getattr(_taken, "skip_insert", None), None
+        if skip is not None and list(tokens[: len(skip)]) == skip:
+            return  # the final cache of a "cache_prompt": false request
         problem = cache_problem(prompt_cache, len(tokens))
         if problem:
             logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)
@@ -229,25 +162,38 @@ def guarded_insert(original):
 
 # --- the server's generation thread ----------------------------------------
 
+# A failure that repeats with no request served in between (a default model
+# that cannot load) is given this many tries, backed off, before the thread
+# ends the way upstream's does.
+TRIES = 4
+BACKOFF = 0.05  # seconds before the second try; doubled each time
+
 
 def _inflight(generator):
     return generator.__dict__.setdefault("_mlx_lm_mla_inflight", set())
 
 
+def _served(generator):
+    return generator.__dict__.get("_mlx_lm_mla_served", 0)
+
+
 def tracked_next_request(original):
     """``ResponseGenerator._next_request`` that remembers which requests are
-    open, so they can be answered if the generation loop fails."""
+    open, so they can be answered if the generation loop fails, and counts
+    the ones served."""
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
         if request is not None:
-            _taken.request = request[1]
-            rqueue, open_requests = request[0], _inflight(self)
+            rqueue, body, open_requests = request[0], request[1], _inflight(self)
             open_requests.add(rqueue)
             put = rqueue.put
 
             def put_and_track(item, *args, **kwargs):
                 put(item, *args, **kwargs)
+                if item is None:
+                    self._mlx_lm_mla_served = _served(self) + 1
+                    _ended(body)
                 if item is None or isinstance(item, Exception):
                     open_requests.discard(rqueue)
 
@@ -261,72 +207,44 @@ def tracked_next_request(original):
 def supervised_generate(original):
     """``ResponseGenerator._generate`` that survives a failing request.
 
-    Upstream, an exception in the batched loop ends the generation thread and
-    every later request fails or hangs. Here the open requests get a clear
-    error, their batch and caches are dropped (nothing partial was stored:
-    the prompt cache keeps copies only), and the loop starts again."""
+    Upstream, an exception in the batched loop ends the generation thread, so
+    one bad batch ends the server. Here the open requests get a clear error,
+    their batch and caches are dropped (nothing partial was stored: the
+    prompt cache keeps copies only), and the loop starts again. A failure
+    that repeats with nothing served in between is retried ``TRIES`` times,
+    backed off, then ends the thread as upstream's does, so mlx-lm 0.32's
+    ``generation_available()`` and health check report it."""
 
     def _generate(self):
+        streak, served = 0, None
         while True:
             try:
                 return original(self)
             except Exception as e:
-                logger.exception("mlx-lm-mla: generation failed; recovering")
+                logger.exception("mlx-lm-mla: generation failed")
                 error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
                 for rqueue in list(_inflight(self)):
                     rqueue.put(error)
                 _inflight(self).clear()
                 if self._stop:
                     return
+                streak = streak + 1 if _served(self) == served else 1
+                served = _served(self)
+                if streak >= TRIES:
+                    if hasattr(self, "generation_available"):
+                        raise  # upstream marks the thread dead
+                    return _refuse_all(self, error)
+                time.sleep(BACKOFF * 2 ** (streak - 1))
 
     _generate.mlx_lm_mla_original = original
     return _generate
 
 
-def guarded_completion(original):
-    """``APIHandler.handle_completion`` that honours ``"cache_prompt": false``
-    and answers a request which failed during generation. Upstream lets the
-    exception close the connection, so the client sees no reason; here it
-    gets HTTP 500 with the error, or an ``error`` event when streaming (the
-    headers went out already)."""
-
-    def handle_completion(self, *args, **kwargs):
-        if args:
-            tag_request(args[0], getattr(self, "body", None))
-        try:
-            return original(self, *args, **kwargs)
-        except Exception as e:
-            logger.warning("mlx-lm-mla: request failed: %s: %s", type(e).__name__, e)
-            error = json.dumps(
-                {
-                    "error": {
-                        "message": f"{type(e).__name__}: {e}",
-                        "type": "server_error",
-                    }
-                }
-            )
-            try:
-                if getattr(self, "stream", False):
-                    self.wfile.write(f"data: {error}\n\n".encode())
-                else:
-                    self.send_response(500)
-                    self.send_header("Content-Type", "application/json")
-                    self.end_headers()
-                    self.wfile.write(error.encode())
-                self.wfile.flush()
-            except OSError:
-                pass  # the client is gone
-
-    handle_completion.mlx_lm_mla_original = original
-    return handle_completion
-
-
-def checked_load(original):
-    """``load_prompt_cache`` that checks the file is whole first."""
-
-    def load_prompt_cache(file_name, *args, **kwargs):
-        check_cache_file(file_name)
-        return original(file_name, *args, **kwargs)
-
-    load_prompt_cache.mlx_lm_mla_original = original
-    return load_prompt_cache
+def _refuse_all(generator, error):
+    # mlx-lm 0.31 has no dead-thread state: its clients would wait for ever,
+    # so each later request gets the error that ended the loop.
+    logger.error("mlx-lm-mla: generation keeps failing; refusing requests")
+    while not generator._stop:
+        request = generator._next_request(timeout=0.5)
+        if request is not None:
+            request[0].put(error)

@@ -12,8 +12,15 @@ import sys
 import types
 import warnings
 
-from . import faults, guards, hooks, window  # noqa: F401 (window registers its class)
-from .cache import QUANTIZED_LATENT
+from . import (
+    faults,
+    files,
+    guards,
+    handler,
+    hooks,
+    window,
+)  # noqa: F401 (window registers its class)
+from .cache import QUANTIZED_LATENT, _PackedLatent, is_latent_layout
 
 # Tested range of mlx-lm: [low, high).
 SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))
@@ -82,17 +89,31 @@ def _install_caches(cache_module):
     _wrap(getattr(generate, "BatchGenerator", None), "_next", hooks.quantizing_next)
 
 
+def _is_latent(cache):
+    return isinstance(cache, _PackedLatent) or is_latent_layout(cache)
+
+
+def _rebind(home, name, wrapper):
+    # Wherever mlx-lm bound the function by name (from ... import), too.
+    original = getattr(home, name, None)
+    if not callable(original):
+        return
+    replacement = wrapper(original)
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("mlx_lm") and getattr(module, name, None) is original:
+            _set(module, name, replacement)
+
+
 def _install_reuse_guards(cache_module):
-    # Refuse truncated cache files, wherever mlx-lm bound load_prompt_cache.
-    load = getattr(cache_module, "load_prompt_cache", None)
-    if callable(load):
-        checked = guards.checked_load(load)
-        for name, module in list(sys.modules.items()):
-            if (
-                name.startswith("mlx_lm")
-                and getattr(module, "load_prompt_cache", None) is load
-            ):
-                _set(module, "load_prompt_cache", checked)
+    # Cache files: refused when truncated or changed, checksummed when latent.
+    _rebind(cache_module, "load_prompt_cache", files.checked_load)
+    _rebind(
+        cache_module,
+        "save_prompt_cache",
+        lambda f: files.checksummed_save(f, _is_latent),
+    )
+    generate = importlib.import_module("mlx_lm.generate")
+    _rebind(generate, "generate_step", files.checked_generate_step)
 
     store = getattr(cache_module, "LRUPromptCache", None)
     trie = getattr(store(), "_trie", None) if store is not None else None
@@ -101,13 +122,14 @@ def _install_reuse_guards(cache_module):
         _wrap(store, "insert_cache", guards.guarded_insert)
 
     server = importlib.import_module("mlx_lm.server")
-    _wrap(
-        getattr(server, "APIHandler", None),
-        "handle_completion",
-        guards.guarded_completion,
-    )
+    api = getattr(server, "APIHandler", None)
+    _wrap(api, "handle_completion", handler.guarded_completion)
+    _wrap(api, "_set_completion_headers", handler.bad_request_status)
+    _wrap(api, "do_POST", handler.utf8_body)
     generator = getattr(server, "ResponseGenerator", None)
     _wrap(generator, "_is_batchable", hooks.batchable_with_kv_bits)
+    _wrap(generator, "_tokenize", handler.checked_tokenize)
+    _wrap(generator, "_tokenize", guards.no_store_tokenize)
     if callable(getattr(generator, "_next_request", None)):
         _wrap(generator, "_next_request", guards.tracked_next_request)
         _wrap(generator, "_generate", guards.supervised_generate)

@@ -4,6 +4,8 @@ load_prompt_cache is looked up on the module at call time, since install()
 patches it there.
 """
 
+import random
+
 import mlx.core as mx
 import pytest
 import mlx_lm.models.cache as cache_module
@@ -11,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from mlx_lm_mla import tiny
 from mlx_lm_mla.cache import is_latent_layout
-from mlx_lm_mla.guards import CorruptCacheFile
+from mlx_lm_mla.files import CHECKSUM, CorruptCacheFile
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
 
@@ -77,6 +79,7 @@ def test_tampered_state_gives_a_clear_error(installed, tmp_path):
     save_prompt_cache(good, cache)
     arrays, meta = mx.load(good, return_metadata=True)
     arrays["0.1"] = arrays["0.1"][:, :, :5]  # rope key of layer 0 cut short
+    meta = {k: v for k, v in meta.items() if CHECKSUM not in k}  # as stock saves it
     mx.save_safetensors(path, arrays, meta)
     with pytest.raises(ValueError, match=r"QuantizedLatentCache state: expected uint8 arrays \(B, 1, L, 48\) and \(B, 1, L, 64\), got"):
         cache_module.load_prompt_cache(path)
@@ -89,3 +92,51 @@ def test_cache_of_another_model_is_refused_when_used(installed, tmp_path):
     save_prompt_cache(path, prefilled(small, bits=4))
     with pytest.raises(ValueError, match="latent of width 128 .* holds widths 64"):
         continue_from(wide, cache_module.load_prompt_cache(path))
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_flipped_byte_in_the_data_is_refused_by_name(bits, installed, tmp_path):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    good = tmp_path / "good.safetensors"
+    save_prompt_cache(str(good), prefilled(model, bits))
+    raw = good.read_bytes()
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    rng = random.Random(0)
+    for trial in range(20):
+        damaged = bytearray(raw)
+        damaged[rng.randrange(data_start, len(raw))] ^= 1 << rng.randrange(8)
+        path = tmp_path / f"flip{trial}.safetensors"
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptCacheFile, match="checksum does not match"):
+            cache_module.load_prompt_cache(str(path))
+
+
+def test_a_cache_without_a_latent_is_saved_as_stock_saves_it(installed, tmp_path):
+    model, _ = tiny.build_model("deepseek_v2")  # full per-head K/V
+    path = str(tmp_path / "plain.safetensors")
+    save_prompt_cache(path, prefilled(model), metadata={"model": "v2"})
+    _, meta = mx.load(path, return_metadata=True)
+    assert not any(CHECKSUM in k for k in meta)
+
+
+def test_full_kv_cache_is_refused_by_name_for_an_mla_model(installed, tmp_path):
+    from mlx_lm.generate import generate_step
+
+    full, _ = tiny.build_model("deepseek_v2")
+    mla, _ = tiny.build_model("glm4_moe_lite")
+    path = str(tmp_path / "v2.safetensors")
+    save_prompt_cache(path, prefilled(full), metadata={"model": "v2"})  # 0.31 needs some
+    loaded = cache_module.load_prompt_cache(path)
+    with pytest.raises(ValueError, match=r"layer 0 \(KVCache\) holds per-head keys and values \(\d+ heads"):
+        next(generate_step(mx.array(PROMPT[14:]), mla, prompt_cache=loaded))
+
+
+def test_plain_file_marked_quantized_names_the_missing_format(installed, tmp_path):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    good, path = str(tmp_path / "good.safetensors"), str(tmp_path / "marked.safetensors")
+    save_prompt_cache(good, prefilled(model))
+    arrays, meta = mx.load(good, return_metadata=True)
+    meta = {k: ("QuantizedLatentCache" if v == "KVCache" else v) for k, v in meta.items()}
+    mx.save_safetensors(path, arrays, {k: v for k, v in meta.items() if CHECKSUM not in k})
+    with pytest.raises(ValueError, match="QuantizedLatentCache state: no quantization format"):
+        cache_module.load_prompt_cache(path)

@@ -1,0 +1,234 @@
+"""Checks on prompt cache files (``save_prompt_cache`` / ``load_prompt_cache``)
+and on a loaded cache meeting its model, so a damaged or foreign file is
+refused by name instead of loading garbage or failing deep in the model."""
+
+import json
+import math
+import os
+import re
+import struct
+import zlib
+
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+
+# The checksum of a saved latent cache, in the file's metadata. It is
+# written as a placeholder of the same length first, then filled in place.
+CHECKSUM = "mlx_lm_mla_crc32"
+_PENDING = b"crc32:????????"
+_FIELD = re.compile(
+    rb'"(?:\d+\.)?' + CHECKSUM.encode() + rb'"\s*:\s*"(crc32:[0-9a-f?]{8})"'
+)
+
+
+class CorruptCacheFile(ValueError):
+    """A prompt cache file that cannot be what it claims to be."""
+
+
+def _header(path):
+    """(header dict, header bytes, header start, file size) of a safetensors file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptCacheFile(
+                f"prompt cache file {path} is too short ({size} bytes)"
+            )
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise CorruptCacheFile(
+                f"prompt cache file {path} is truncated: its header needs "
+                f"{8 + header_len} bytes, the file has {size}"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCacheFile(
+            f"prompt cache file {path} has an unreadable header: {e}"
+        )
+    if not isinstance(header, dict):
+        raise CorruptCacheFile(f"prompt cache file {path} has an unreadable header")
+    return header, raw, size
+
+
+def check_cache_file(path):
+    """Checks that a ``.safetensors`` prompt cache file is whole: a readable
+    header, every tensor's bytes inside the file, and, where the file has a
+    checksum (latent caches saved with the package), the right checksum.
+    Older MLX reads past the end of a truncated file without an error."""
+    path = os.fspath(path)
+    header, raw, size = _header(path)
+    data = size - 8 - len(raw)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = info["data_offsets"]
+            expected = math.prod(info["shape"]) * _DTYPE_BYTES.get(info["dtype"], 0)
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCacheFile(
+                f"prompt cache file {path}: tensor {name!r} is malformed"
+            )
+        if end > data or end - start < 0 or (expected and end - start != expected):
+            raise CorruptCacheFile(
+                f"prompt cache file {path} is truncated or corrupt: tensor "
+                f"{name!r} needs bytes {start}..{end} of {data}"
+            )
+    found = _FIELD.search(raw)
+    if found and found.group(1) != _file_checksum(path, found.span(1)):
+        raise CorruptCacheFile(
+            f"prompt cache file {path} is corrupt: its checksum does not match "
+            "its contents (the file changed after it was saved)"
+        )
+
+
+def _file_checksum(path, span):
+    # CRC-32 of the whole file with the checksum field itself read as pending.
+    crc, (a, b) = 0, span
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read(8 + a), crc)
+        f.seek(8 + b)
+        crc = zlib.crc32(_PENDING, crc)
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}".encode()
+
+
+def _stamp(path):
+    """Fills in the checksum placeholder of a file just saved."""
+    _, raw, _ = _header(path)
+    found = _FIELD.search(raw)
+    if found is None or found.group(1) != _PENDING:
+        return
+    value = _file_checksum(path, found.span(1))
+    with open(path, "r+b") as f:
+        f.seek(8 + found.start(1))
+        f.write(value)
+
+
+def checksummed_save(original, is_latent):
+    """``save_prompt_cache`` that stores a checksum with a latent cache."""
+
+    def save_prompt_cache(file_name, cache, metadata=None):
+        from .guards import _leaves
+
+        if not any(is_latent(c) for c in _leaves(cache)):
+            return original(file_name, cache, metadata)
+        metadata = {**(metadata or {}), CHECKSUM: _PENDING.decode()}
+        original(file_name, cache, metadata)
+        _stamp(os.fspath(file_name))
+
+    save_prompt_cache.mlx_lm_mla_original = original
+    return save_prompt_cache
+
+
+def checked_load(original):
+    """``load_prompt_cache`` that checks the file is whole first, and hands
+    back the caller's metadata without the checksum."""
+
+    def load_prompt_cache(file_name, return_metadata=False):
+        check_cache_file(file_name)
+        if not return_metadata:
+            return original(file_name)
+        cache, metadata = original(file_name, return_metadata=True)
+        if isinstance(metadata, dict):
+            metadata.pop(CHECKSUM, None)
+        return cache, metadata
+
+    load_prompt_cache.mlx_lm_mla_original = original
+    return load_prompt_cache
+
+
+# --- a cache meeting its model ---------------------------------------------
+
+
+def _latent_widths(model):
+    """{layer index: (latent width, RoPE width)} for the layers that cache
+    one MLA latent. Found once per model instance."""
+    from .hooks import is_latent_attention
+
+    found = vars(model).get("_mlx_lm_mla_widths")
+    if found is None:
+        found = {}
+        for i, layer in enumerate(getattr(model, "layers", [])):
+            mods = [m for _, m in layer.named_modules() if is_latent_attention(m)]
+            rope = (
+                getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
+            )
+            if isinstance(rope, int):
+                found[i] = (mods[0].kv_lora_rank, rope)
+        object.__setattr__(model, "_mlx_lm_mla_widths", found)
+    return found
+
+
+def cache_mismatch(model, cache):
+    """Why ``cache`` cannot serve ``model``, or None. Checks the layers that
+    cache an MLA latent: a cache of per-head K/V (saved from a model with
+    full attention, such as DeepSeek-V2) or of other widths is named."""
+    import mlx.core as mx
+
+    widths = _latent_widths(model) if cache else {}
+    if not widths or len(cache) != len(model.layers):
+        return None
+    for i, (latent, rope) in widths.items():
+        c = cache[i]
+        inner = getattr(c, "caches", None)
+        c = inner[0] if isinstance(inner, (list, tuple)) and inner else c
+        fmt = getattr(c, "_format", None)
+        if fmt is not None:
+            held = (fmt[2], fmt[4])
+            heads = 1
+        else:
+            k, v = getattr(c, "keys", None), getattr(c, "values", None)
+            if not (
+                isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4
+            ):
+                continue
+            held, heads = (k.shape[-1], v.shape[-1]), k.shape[1]
+        if heads != 1:
+            return (
+                f"prompt cache layer {i} ({type(c).__name__}) holds per-head keys and "
+                f"values ({heads} heads, widths {held[0]} and {held[1]}), as a model "
+                "with full attention saves them; this model caches one MLA latent "
+                f"per layer (1 head, widths {latent} and {rope})"
+            )
+        if held != (latent, rope):
+            return (
+                f"prompt cache layer {i} ({type(c).__name__}) holds a latent of width "
+                f"{held[0]} and a RoPE key of width {held[1]}; this model caches "
+                f"widths {latent} and {rope}: the cache is from another model"
+            )
+    return None
+
+
+def checked_generate_step(original):
+    """``generate_step`` that refuses a prompt cache its model cannot use,
+    before the first step, instead of a broadcast error inside attention."""
+
+    def generate_step(prompt, model, *args, **kwargs):
+        cache = kwargs.get("prompt_cache")
+        if isinstance(cache, (list, tuple)):
+            problem = cache_mismatch(model, cache)
+            if problem:
+                raise ValueError(problem)
+        return original(prompt, model, *args, **kwargs)
+
+    generate_step.mlx_lm_mla_original = original
+    return generate_step

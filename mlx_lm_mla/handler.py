@@ -1,0 +1,152 @@
+"""Guards on ``mlx_lm.server``'s HTTP side: a request is checked where it
+enters, so bad input gets a 400 that names the field and never reaches a
+batch that other clients share; and every failure gets one well-formed
+HTTP status."""
+
+import json
+import logging
+import sys
+
+from .guards import tag_request
+
+logger = logging.getLogger(__name__)
+
+
+class BadRequest(ValueError):
+    """A request the server cannot serve as sent; answered with HTTP 400."""
+
+
+def request_problem(request, stop_words, logit_bias):
+    """Why a request cannot be served, from the request alone, or None."""
+    kind = getattr(request, "request_type", None)
+    if kind == "text":
+        prompt = getattr(request, "prompt", None)
+        if not isinstance(prompt, str) or not prompt:
+            return "prompt must be a non-empty string"
+    elif kind == "chat":
+        messages = getattr(request, "messages", None)
+        if not isinstance(messages, list) or not messages:
+            return "messages must be a non-empty list"
+        if not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            return "messages must be objects with a string role"
+    if not isinstance(stop_words, list) or not all(
+        isinstance(w, str) and w for w in stop_words
+    ):
+        return "stop must be a non-empty string or a list of non-empty strings"
+    if logit_bias and any(i < 0 for i in logit_bias):
+        return "logit_bias token ids must not be negative"
+    return None
+
+
+def checked_tokenize(original):
+    """``ResponseGenerator._tokenize`` that refuses, before the request joins
+    a batch, what needs the model to see: a prompt of no tokens, and
+    ``logit_bias`` ids outside the vocabulary (upstream applies them to
+    whatever memory they point at)."""
+
+    def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
+        result = original(self, tokenizer, request, args, *rest, **kwargs)
+        if not result[0]:
+            raise BadRequest("prompt has no tokens")
+        bias = getattr(getattr(args, "logits", None), "logit_bias", None)
+        size = _vocabulary(self, tokenizer)
+        if bias and size and max(bias) >= size:
+            raise BadRequest(
+                f"logit_bias token id {max(bias)} is outside the vocabulary (0..{size - 1})"
+            )
+        return result
+
+    _tokenize.mlx_lm_mla_original = original
+    return _tokenize
+
+
+def _vocabulary(generator, tokenizer):
+    # The logits' width: the model's vocabulary, else the tokenizer's.
+    model = getattr(getattr(generator, "model_provider", None), "model", None)
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return len(tokenizer._tokenizer)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _reply(handler, status, message, kind):
+    body = json.dumps({"error": {"message": message, "type": kind}}).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+    handler.wfile.flush()
+
+
+def guarded_completion(original):
+    """``APIHandler.handle_completion`` that refuses a bad request with 400
+    before it is queued, honours ``"cache_prompt": false``, and answers a
+    request that failed during generation. Upstream lets that exception
+    close the connection: a non-streamed reply had its 200 status buffered,
+    so the client got 200 and then a second status line. Here the buffered
+    headers are dropped and the client gets one HTTP 500 with the error, or
+    an ``error`` event when streaming (the headers went out already)."""
+
+    def handle_completion(self, request, stop_words, *args, **kwargs):
+        problem = request_problem(
+            request, stop_words, getattr(self, "logit_bias", None)
+        )
+        if problem:
+            return _reply(self, 400, problem, "invalid_request_error")
+        tag_request(request, getattr(self, "body", None))
+        try:
+            return original(self, request, stop_words, *args, **kwargs)
+        except Exception as e:
+            logger.warning("mlx-lm-mla: request failed: %s: %s", type(e).__name__, e)
+            message = f"{type(e).__name__}: {e}"
+            try:
+                if getattr(self, "_headers_buffer", None):
+                    self._headers_buffer = []  # the 200 that was not sent
+                    _reply(self, 500, message, "server_error")
+                elif getattr(self, "stream", False):
+                    error = {"error": {"message": message, "type": "server_error"}}
+                    self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                    self.wfile.flush()
+            except OSError:
+                pass  # the client is gone
+
+    handle_completion.mlx_lm_mla_original = original
+    return handle_completion
+
+
+def bad_request_status(original):
+    """``APIHandler._set_completion_headers``: upstream answers every error
+    of ``generate()`` with 404; a ``BadRequest`` is the client's, so 400."""
+
+    def _set_completion_headers(self, status_code=200):
+        if status_code == 404 and isinstance(sys.exc_info()[1], BadRequest):
+            status_code = 400
+        return original(self, status_code)
+
+    _set_completion_headers.mlx_lm_mla_original = original
+    return _set_completion_headers
+
+
+def utf8_body(original):
+    """``APIHandler.do_POST`` that answers a body that is not UTF-8 with 400;
+    upstream's decode error closes the connection with no reply."""
+
+    def do_POST(self):
+        try:
+            return original(self)
+        except UnicodeDecodeError as e:
+            _reply(
+                self,
+                400,
+                f"request body is not valid UTF-8: {e}",
+                "invalid_request_error",
+            )
+
+    do_POST.mlx_lm_mla_original = original
+    return do_POST
