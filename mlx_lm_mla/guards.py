@@ -162,9 +162,9 @@ def guarded_insert(original):
 
 # --- the server's generation thread ----------------------------------------
 
-# A failure that repeats with no request served in between (a default model
-# that cannot load) is given this many tries, backed off, before the thread
-# ends the way upstream's does.
+# A failure with no request open (a default model that cannot load) is
+# given this many tries in a row, backed off, before the thread ends the
+# way upstream's does.
 TRIES = 4
 BACKOFF = 0.05  # seconds before the second try; doubled each time
 
@@ -173,14 +173,9 @@ def _inflight(generator):
     return generator.__dict__.setdefault("_mlx_lm_mla_inflight", set())
 
 
-def _served(generator):
-    return generator.__dict__.get("_mlx_lm_mla_served", 0)
-
-
 def tracked_next_request(original):
     """``ResponseGenerator._next_request`` that remembers which requests are
-    open, so they can be answered if the generation loop fails, and counts
-    the ones served."""
+    open, so they can be answered if the generation loop fails."""
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
@@ -192,7 +187,6 @@ def tracked_next_request(original):
             def put_and_track(item, *args, **kwargs):
                 put(item, *args, **kwargs)
                 if item is None:
-                    self._mlx_lm_mla_served = _served(self) + 1
                     _ended(body)
                 if item is None or isinstance(item, Exception):
                     open_requests.discard(rqueue)
@@ -211,30 +205,31 @@ def supervised_generate(original):
     one bad batch ends the server. Here the open requests get a clear error,
     their batch and caches are dropped (nothing partial was stored: the
     prompt cache keeps copies only), and the loop starts again. A failure
-    that repeats with nothing served in between is retried ``TRIES`` times,
-    backed off, then ends the thread as upstream's does, so mlx-lm 0.32's
+    with no request open is retried ``TRIES`` times in a row, backed off,
+    then ends the thread as upstream's does, so mlx-lm 0.32's
     ``generation_available()`` and health check report it."""
 
     def _generate(self):
-        streak, served = 0, None
+        streak = 0
         while True:
             try:
                 return original(self)
             except Exception as e:
                 logger.exception("mlx-lm-mla: generation failed")
                 error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
+                # With requests open the failure is theirs: answer them, go on.
+                streak = 0 if _inflight(self) else streak + 1
                 for rqueue in list(_inflight(self)):
                     rqueue.put(error)
                 _inflight(self).clear()
                 if self._stop:
                     return
-                streak = streak + 1 if _served(self) == served else 1
-                served = _served(self)
                 if streak >= TRIES:
                     if hasattr(self, "generation_available"):
                         raise  # upstream marks the thread dead
                     return _refuse_all(self, error)
-                time.sleep(BACKOFF * 2 ** (streak - 1))
+                if streak:
+                    time.sleep(BACKOFF * 2 ** (streak - 1))
 
     _generate.mlx_lm_mla_original = original
     return _generate

@@ -165,3 +165,31 @@ def cached_tokens(usage):
 def questions(n):
     """Distinct user turns after the shared system prompt."""
     return [f"Question {i}: what does function f{i * 7 % 13}(x) return for x = {i}?" for i in range(n)]
+
+
+def raw_post(port, path, data, timeout=120):
+    """POSTs ``data`` (bytes) and returns the whole raw reply, status lines
+    and headers included, so a malformed reply can be seen as it is."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    chunks = []
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head.encode() + data)
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_lines(reply):
+    """The HTTP status lines in a raw reply's head (a well-formed one has one)."""
+    head = reply.split(b"\r\n\r\n", 1)[0]
+    return [line.decode() for line in head.split(b"\r\n") if line.startswith(b"HTTP/")]
+
+
+def post_json(port, path, body, timeout=120):
+    """(status, parsed JSON body) of one POST."""
+    reply = raw_post(port, path, json.dumps(body).encode(), timeout)
+    status = int(status_lines(reply)[0].split()[1])
+    return status, json.loads(reply.split(b"\r\n\r\n", 1)[1] or b"null")

@@ -1,10 +1,13 @@
 """Guards on the cross-request path (LRUPromptCache), for any model type."""
 
+from queue import Queue
+
 import mlx.core as mx
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.server import ResponseGenerator
 
-from mlx_lm_mla.guards import cache_problem
+from mlx_lm_mla.guards import TRIES, cache_problem
 
 from conftest import latent_kv
 
@@ -79,3 +82,71 @@ def test_cache_problem_names_a_list_where_an_array_belongs():
 
 def test_cache_problem_accepts_a_good_cache(installed):
     assert cache_problem(latent_cache(5), 5) is None
+
+
+class OtherLibraryCache:
+    """A cache class mlx-lm does not define (mlx-vlm's, a custom one)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    @property
+    def nbytes(self):
+        return self.n
+
+    def is_trimmable(self):
+        return False
+
+
+def test_a_cache_of_a_class_mlx_lm_does_not_define_is_stored(installed):
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS[:5], [OtherLibraryCache(5)])
+    assert len(store) == 1 and store.nbytes == 5
+    cache, rest = store.fetch_nearest_cache("m", TOKENS)
+    assert cache[0].n == 5 and rest == TOKENS[5:]
+
+
+def test_an_exact_hit_on_an_empty_prompt_gets_upstreams_answer(installed):
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", [], kv_cache(0))
+    cache, rest = store.fetch_nearest_cache("m", [])
+    assert cache is not None and rest == []
+
+
+class FailingProvider:
+    """A model provider whose default model cannot load: every start of the
+    generation loop fails the same way."""
+
+    def __init__(self):
+        self.tries = 0
+
+    def load_default(self):
+        self.tries += 1
+        raise RuntimeError("cannot load the default model")
+
+
+class LoadingProvider:
+    def load_default(self):
+        pass
+
+
+def test_a_failing_request_is_answered_and_the_loop_goes_on(installed):
+    generator = ResponseGenerator(LoadingProvider(), cache_module.LRUPromptCache())
+    try:
+        for _ in range(TRIES + 1):  # more than a repeating failure is given
+            reply = Queue()
+            generator.requests.put((reply, None, None))  # no arguments: it fails
+            assert isinstance(reply.get(timeout=10), Exception)
+        assert generator._generation_thread.is_alive()
+    finally:
+        generator.stop_and_join()
+
+
+if hasattr(ResponseGenerator, "generation_available"):  # mlx-lm 0.32 reports a dead thread
+
+    def test_a_failure_that_repeats_ends_in_upstreams_dead_thread_state(installed):
+        provider = FailingProvider()
+        generator = ResponseGenerator(provider, cache_module.LRUPromptCache())
+        generator._generation_thread.join(timeout=10)
+        assert not generator._generation_thread.is_alive()
+        assert provider.tries == TRIES and not generator.generation_available()

@@ -6,11 +6,23 @@ has no ``--kv-bits`` server flag, so there the quantized scenarios are not
 defined: that server never quantizes.
 """
 
+import json
 import threading
 
 import pytest
 
-from serving import RequestFailed, Server, cached_tokens, questions, save_served_model, server_supports
+from serving import (
+    SYSTEM,
+    RequestFailed,
+    Server,
+    cached_tokens,
+    post_json,
+    questions,
+    raw_post,
+    save_served_model,
+    server_supports,
+    status_lines,
+)
 
 KV_BITS = [4, 8] if server_supports("--kv-bits") else []
 START = 64  # --quantized-kv-start, crossed by every request below
@@ -105,3 +117,91 @@ def test_a_client_that_disconnects_mid_stream_leaves_nothing_corrupted(model_pat
             server.abandon_stream(q, max_tokens=400, after_bytes=300)
         got = [server.chat(q, max_tokens=40)[0] for q in checks]
     assert got == expected
+
+
+def completion(server, prompt, **extra):
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, **extra}
+    status, reply = post_json(server.port, "/v1/completions", body)
+    assert status == 200, reply
+    return reply
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [5]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
+]
+
+
+def test_bad_requests_get_400_naming_the_field_and_requests_in_flight_complete(model_path):
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        expected = [server.chat(q, max_tokens=60)[0] for q in questions(3)]
+        served, errors = [], []
+
+        def good(q):
+            try:
+                served.append(server.chat(q, max_tokens=60, stream=True)[0])
+            except RequestFailed as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=good, args=(q,)) for q in questions(3)]
+        for t in threads:
+            t.start()
+        answers = [post_json(server.port, path, body) for path, body, _ in BAD_REQUESTS]
+        not_utf8 = raw_post(server.port, "/v1/completions", b'{"prompt": "\xff\xfe"}')
+        for t in threads:
+            t.join()
+    for (_, _, field), (status, reply) in zip(BAD_REQUESTS, answers):
+        assert status == 400 and field in json.dumps(reply), (field, status, reply)
+    assert status_lines(not_utf8) == ["HTTP/1.0 400 Bad Request"] and b"UTF-8" in not_utf8
+    assert errors == [] and sorted(served) == sorted(expected)
+
+
+def test_an_out_of_vocabulary_logit_bias_changes_no_later_answer(model_path):
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        before = completion(server, "Alpha beta gamma", cache_prompt=False)
+        post_json(server.port, "/v1/completions", {"prompt": "x", "logit_bias": {"200000": 100}})
+        after = completion(server, "Alpha beta gamma", cache_prompt=False)
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+def test_cache_prompt_false_is_honoured_on_text_completions(model_path):
+    prompt = SYSTEM + " Zulu: what is a hash map?"
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        skipped = completion(server, prompt, cache_prompt=False)
+        after = completion(server, prompt)
+    assert cached_tokens(skipped["usage"]) == 0
+    assert cached_tokens(after["usage"]) == 0  # nothing of the skipped one was stored
+
+
+def test_cache_prompt_false_marks_its_own_request_only(model_path):
+    # Two requests sharing the system prompt, one of them not to be stored.
+    a, b = "Alpha: name three sorting algorithms.", "Bravo: what is a hash map?"
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        results = {}
+        threads = [
+            threading.Thread(target=lambda: results.update(a=server.chat(a, max_tokens=30, cache_prompt=False))),
+            threading.Thread(target=lambda: results.update(b=server.chat(b, max_tokens=30))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        _, a_again = server.chat(a, max_tokens=30)
+        _, b_again = server.chat(b, max_tokens=30)
+    assert cached_tokens(results["a"][1]) == 0
+    # b was stored whole; of a, only what it shares with b (the system prompt)
+    assert cached_tokens(a_again) < cached_tokens(b_again)
+    assert cached_tokens(b_again) >= b_again["prompt_tokens"] - 1
+
+
+def test_a_failure_in_a_non_streamed_request_gets_one_http_status(model_path):
+    body = {"prompt": "Alpha beta gamma", "max_tokens": 20, "temperature": 0.0}
+    with Server(model_path, "--decode-concurrency", 4, env={"MLX_LM_MLA_FAULT": "decode:3"}) as server:
+        failed = raw_post(server.port, "/v1/completions", json.dumps(body).encode())
+        status, after = post_json(server.port, "/v1/completions", body)
+    assert status_lines(failed) == ["HTTP/1.0 500 Internal Server Error"]
+    assert b"InjectedFault" in failed
+    assert status == 200 and after["choices"][0]["text"]
