@@ -132,9 +132,7 @@ class _PackedLatent:
             getattr(mx, d), getattr(mx, rd)
             self._set_format(int(g), int(b), int(w), d, int(rw), rd)
         except (ValueError, AttributeError):
-            raise ValueError(
-                f"{type(self).__name__} state: no quantization format, got {text!r} (a cache saved unquantized?)"
-            )
+            raise ValueError(f"{type(self).__name__}: no quantization format: {text!r}")
 
     def _check_bytes(self):
         keys, values, (w, s, r) = self.keys, self.values, self._sizes()

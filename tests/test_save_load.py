@@ -138,5 +138,5 @@ def test_plain_file_marked_quantized_names_the_missing_format(installed, tmp_pat
     arrays, meta = mx.load(good, return_metadata=True)
     meta = {k: ("QuantizedLatentCache" if v == "KVCache" else v) for k, v in meta.items()}
     mx.save_safetensors(path, arrays, {k: v for k, v in meta.items() if CHECKSUM not in k})
-    with pytest.raises(ValueError, match="QuantizedLatentCache state: no quantization format"):
+    with pytest.raises(ValueError, match="QuantizedLatentCache: no quantization format"):
         cache_module.load_prompt_cache(path)
