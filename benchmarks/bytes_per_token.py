@@ -18,7 +18,12 @@ tokens) of padding.
 Our caches are stock's, quantized in place: ``KVCache`` -> ``QuantizedLatentCache``
 and, merged, ``BatchKVCache`` -> ``BatchQuantizedLatentCache``.
 
-Also: a batch of sequences of different lengths merged (left padded to the
+Also: per rank across machines (``mlx.launch``, ``sharded_load``): under
+tensor parallel every rank holds the whole latent of every layer (one latent
+head cannot be split over ranks), under pipeline each rank holds the layers
+it runs, split as mlx-lm splits them (evenly, the low ranks taking the extra
+layer); computed from the measured bytes per layer at the largest N
+(``--ranks``, default 2 4). And: a batch of sequences of different lengths merged (left padded to the
 longest), bytes per real token; and a rolling window (``RotatingKVCache``,
 what ``make_prompt_cache(model, max_kv_size=W)`` gives), which must hold W
 tokens whatever N is, quantized or not.
@@ -234,6 +239,44 @@ def window_rows(shape, window, n, args, dtype):
     return rows
 
 
+def pipeline_split(layers, ranks):
+    """Layers per pipeline rank: even, the low ranks take the extra ones."""
+    base, extra = divmod(layers, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
+def per_rank_rows(single, shapes, ranks_list):
+    """Bytes per token each rank holds, from the measured single-sequence
+    caches at the largest N (stock's expanded K/V left out)."""
+    rows = []
+    for shape in shapes:
+        mine = [r for r in single if r["model"] == shape["name"] and "expanded" not in r["cache"]]
+        n = max(r["tokens"] for r in mine)
+        for r in (r for r in mine if r["tokens"] == n):
+            per_layer = r["bytes_per_token"] / shape["layers"]
+            for ranks in ranks_list:
+                for parallel, layers in (
+                    ("tensor", [shape["layers"]] * ranks),
+                    ("pipeline", pipeline_split(shape["layers"], ranks)),
+                ):
+                    held = [per_layer * k for k in layers]
+                    rows.append(
+                        dict(
+                            model=shape["name"],
+                            cache=r["cache"],
+                            parallel=parallel,
+                            ranks=ranks,
+                            tokens=n,
+                            layers_per_rank=" / ".join(str(k) for k in sorted(set(layers), reverse=True)),
+                            largest_rank=max(held),
+                            smallest_rank=min(held),
+                            all_ranks=sum(held),
+                            one_process=r["bytes_per_token"],
+                        )
+                    )
+    return rows
+
+
 def main():
     started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -244,6 +287,7 @@ def main():
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--max-alloc-mb", type=float, default=1024, help="compute stock expanded K/V arithmetically above this size")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="ranks for the per-rank table (default: 2 4)")
     p.add_argument("--json", default=None, help="default: benchmarks/results/bytes_per_token.json")
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
@@ -311,8 +355,31 @@ def main():
             ("held_ratio", "held", "{:.4f}"),
         ],
     )
+    per_rank = per_rank_rows(single, (GLM_4_7_FLASH, DEEPSEEK_V3), args.ranks)
+    print(
+        f"\nPer rank across machines, bytes per token at N={max(args.tokens):,}: tensor parallel "
+        "replicates the latent (one head), pipeline splits the layers\n"
+    )
+    table(
+        per_rank,
+        [
+            ("model", "model", None),
+            ("cache", "cache", None),
+            ("parallel", "parallel", None),
+            ("ranks", "ranks", None),
+            ("layers_per_rank", "layers/rank", None),
+            ("largest_rank", "bytes/token, largest rank", "{:,.0f}"),
+            ("smallest_rank", "smallest rank", "{:,.0f}"),
+            ("all_ranks", "all ranks", "{:,.0f}"),
+            ("one_process", "one process", "{:,.0f}"),
+        ],
+    )
     path = write_json(
-        args.json, "bytes_per_token", args, {"single": single, "batch": batch, "window": windows}, started
+        args.json,
+        "bytes_per_token",
+        args,
+        {"single": single, "batch": batch, "window": windows, "per_rank": per_rank},
+        started,
     )
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
 

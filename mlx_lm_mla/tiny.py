@@ -526,9 +526,11 @@ def save_model(
 ) -> Path:
     """Write a tiny model that ``mlx_lm.load`` reads back.
 
-    Writes config.json, model.safetensors and the tokenizer files. The weights
-    are those of ``build_model`` with the same arguments, quantized with
-    mlx-lm's own ``quantize_model`` if ``quantize_bits`` is given.
+    Writes config.json, model.safetensors, its model.safetensors.index.json
+    (which ``mlx_lm.utils.sharded_load`` reads to find each layer's weights)
+    and the tokenizer files. The weights are those of ``build_model`` with the
+    same arguments, quantized with mlx-lm's own ``quantize_model`` if
+    ``quantize_bits`` is given.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -543,6 +545,12 @@ def save_model(
     mx.save_safetensors(
         str(path / "model.safetensors"), weights, metadata={"format": "mlx"}
     )
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+        "weight_map": {name: "model.safetensors" for name in sorted(weights)},
+    }
+    with open(path / "model.safetensors.index.json", "w") as f:
+        json.dump(index, f, indent=4)
     with open(path / "config.json", "w") as f:
         json.dump(config, f, indent=4)
     write_tokenizer(path)
