@@ -126,13 +126,13 @@ def _stamp(path):
 def checksummed_save(original, is_latent):
     """``save_prompt_cache`` that stores a checksum with a latent cache."""
 
-    def save_prompt_cache(file_name, cache, metadata=None):
+    def save_prompt_cache(file_name, cache, *args, **kwargs):
         from .guards import _leaves
 
         if not any(is_latent(c) for c in _leaves(cache)):
-            return original(file_name, cache, metadata)
-        metadata = {**(metadata or {}), CHECKSUM: _PENDING.decode()}
-        original(file_name, cache, metadata)
+            return original(file_name, cache, *args, **kwargs)
+        metadata = args[0] if args else kwargs.get("metadata")
+        original(file_name, cache, {**(metadata or {}), CHECKSUM: _PENDING.decode()})
         _stamp(os.fspath(file_name))
 
     save_prompt_cache.mlx_lm_mla_original = original

@@ -125,7 +125,7 @@ def test_full_kv_cache_is_refused_by_name_for_an_mla_model(installed, tmp_path):
     full, _ = tiny.build_model("deepseek_v2")
     mla, _ = tiny.build_model("glm4_moe_lite")
     path = str(tmp_path / "v2.safetensors")
-    save_prompt_cache(path, prefilled(full), metadata={"model": "v2"})  # 0.31 needs some
+    save_prompt_cache(path, prefilled(full), metadata={"model": "v2"})
     loaded = cache_module.load_prompt_cache(path)
     with pytest.raises(ValueError, match=r"layer 0 \(KVCache\) holds per-head keys and values \(\d+ heads"):
         next(generate_step(mx.array(PROMPT[14:]), mla, prompt_cache=loaded))
