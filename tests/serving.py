@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -193,3 +194,23 @@ def post_json(port, path, body, timeout=120):
     reply = raw_post(port, path, json.dumps(body).encode(), timeout)
     status = int(status_lines(reply)[0].split()[1])
     return status, json.loads(reply.split(b"\r\n\r\n", 1)[1] or b"null")
+
+
+def four_clients(server, per_client, max_tokens):
+    """Four concurrent clients, each sending its own ``per_client`` questions
+    in turn (even clients streamed). Returns (served, errors)."""
+    served, errors = [], []
+
+    def client(k):
+        for q in questions(per_client * (k + 1))[per_client * k :]:
+            try:
+                served.append(server.chat(q, max_tokens=max_tokens, stream=k % 2 == 0))
+            except RequestFailed as e:
+                errors.append(str(e))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return served, errors

@@ -16,6 +16,7 @@ from serving import (
     RequestFailed,
     Server,
     cached_tokens,
+    four_clients,
     post_json,
     questions,
     raw_post,
@@ -78,21 +79,8 @@ def test_prompt_cache_and_batching_do_not_change_greedy_outputs(model_path):
 
 @pytest.mark.parametrize("bits", [None, *KV_BITS[:1]])
 def test_four_concurrent_clients_are_all_served(bits, model_path):
-    errors, served = [], []
-
-    def client(k):
-        for q in questions(4 * k + 4)[4 * k :]:
-            try:
-                served.append(server.chat(q, max_tokens=80, stream=k % 2 == 0))
-            except RequestFailed as e:
-                errors.append(str(e))
-
     with Server(model_path, "--decode-concurrency", 4, *kv_flags(bits)) as server:
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        served, errors = four_clients(server, per_client=4, max_tokens=80)
     assert errors == [] and len(served) == 16
 
 

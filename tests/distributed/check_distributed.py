@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm_mla import tiny
 
 from conftest import leaves
-from serving import RequestFailed, Server, cached_tokens, questions, save_served_model, server_supports
+from serving import RequestFailed, Server, cached_tokens, four_clients, questions, save_served_model, server_supports
 
 HERE = Path(__file__).parent
 RANKS = 2
@@ -325,22 +324,9 @@ def test_a_pipeline_server_serves_four_concurrent_clients_with_prompt_cache_hits
     flags = ["--pipeline", "--decode-concurrency", 4]
     if bits:
         flags += ["--kv-bits", bits, "--quantized-kv-start", START]
-    errors, served = [], []
-
-    def client(k):
-        for q in questions(3 * k + 3)[3 * k :]:
-            try:
-                served.append(server.chat(q, max_tokens=24, stream=k % 2 == 0))
-            except RequestFailed as e:
-                errors.append(str(e))
-
     log = tmp_path / "server.log"
     with LaunchedServer(model_path, *flags, log=log) as server:
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        served, errors = four_clients(server, per_client=3, max_tokens=24)
     assert errors == [], log.read_text()[-3000:]
     assert len(served) == 12 and all(text for text, _ in served)
     # the shared system prompt comes from the prompt cache for most requests
