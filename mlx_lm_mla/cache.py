@@ -18,13 +18,18 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 # --- upstream: appended to mlx_lm/models/cache.py by upstream-patch ---
 
 
-def is_latent_layout(cache):
-    """True for a cache holding an MLA latent: one head, keys (the latent)
-    and values (the RoPE key) of different, non-zero widths."""
+def _one_head(cache):
+    # The structure every MLA latent cache has: one head, non-zero widths.
     k, v = getattr(cache, "keys", None), getattr(cache, "values", None)
     if not (isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4):
         return False
-    return k.shape[1] == v.shape[1] == 1 and 0 < v.shape[-1] != k.shape[-1]
+    return k.shape[1] == v.shape[1] == 1 and k.shape[-1] > 0 and v.shape[-1] > 0
+
+
+def is_latent_layout(cache):
+    """The shape rule, for a cache no model has written: one head, keys (the
+    latent) and values (the RoPE key) of different, non-zero widths."""
+    return _one_head(cache) and cache.keys.shape[-1] != cache.values.shape[-1]
 
 
 def _ints(x):
@@ -165,7 +170,8 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
         super().filter(_ints(batch_indices))
 
     def extend(self, other):
-        if not isinstance(other, _PackedLatent) and is_latent_layout(other):
+        # A batch of a latent extended with more rows of the same latent.
+        if not isinstance(other, _PackedLatent) and other.keys is not None:
             other = quantize_latent(copy.copy(other), self.group_size, self.latent_bits)
         _same_format([self, other], "extend")
         super().extend(other)
@@ -277,11 +283,11 @@ def quantize_latent(cache, group_size: int = 64, bits: int = 4, like=None):
         cache._set_format(*like._format)
         return cache
     keys, values = cache.keys, cache.values
-    if not is_latent_layout(cache) or keys.shape[-1] % group_size:
+    if not _one_head(cache) or keys.shape[-1] % group_size:
         raise ValueError(
             f"quantize_latent: the {type(cache).__name__} holds no MLA latent in "
             f"groups of {group_size}: keys {getattr(keys, 'shape', None)}, values "
-            f"{getattr(values, 'shape', None)} (expected one head, different widths)"
+            f"{getattr(values, 'shape', None)} (expected one head)"
         )
     cache.__class__ = target
     d, rd = (str(x.dtype).rsplit(".", 1)[-1] for x in (keys, values))

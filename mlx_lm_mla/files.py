@@ -160,20 +160,18 @@ def checked_load(original):
 
 
 def _latent_widths(model):
-    """{layer index: (latent width, RoPE width)} for the layers that cache
-    one MLA latent. Found once per model instance."""
-    from .hooks import is_latent_attention
+    """{layer index: (latent width, RoPE width, CacheList member or None)}
+    for the layers with one MLA attention. Found once per model instance."""
+    from .latent import ATTENTION, latent_modules
 
     found = vars(model).get("_mlx_lm_mla_widths")
     if found is None:
         found = {}
         for i, layer in enumerate(getattr(model, "layers", [])):
-            mods = [m for _, m in layer.named_modules() if is_latent_attention(m)]
-            rope = (
-                getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
-            )
+            mods = latent_modules(layer)
+            rope = getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
             if isinstance(rope, int):
-                found[i] = (mods[0].kv_lora_rank, rope)
+                found[i] = (mods[0].kv_lora_rank, rope, ATTENTION[type(mods[0])])
         object.__setattr__(model, "_mlx_lm_mla_widths", found)
     return found
 
@@ -187,10 +185,10 @@ def cache_mismatch(model, cache):
     widths = _latent_widths(model) if cache else {}
     if not widths or len(cache) != len(model.layers):
         return None
-    for i, (latent, rope) in widths.items():
-        c = cache[i]
-        inner = getattr(c, "caches", None)
-        c = inner[0] if isinstance(inner, (list, tuple)) and inner else c
+    for i, (latent, rope, member) in widths.items():
+        c, inner = cache[i], getattr(cache[i], "caches", None)
+        if member is not None and isinstance(inner, (list, tuple)) and len(inner) > member:
+            c = inner[member]
         fmt = getattr(c, "_format", None)
         if fmt is not None:
             held = (fmt[2], fmt[4])
@@ -223,8 +221,11 @@ def checked_generate_step(original):
     before the first step, instead of a broadcast error inside attention."""
 
     def generate_step(prompt, model, *args, **kwargs):
+        from .latent import mark_model_caches
+
         cache = kwargs.get("prompt_cache")
         if isinstance(cache, (list, tuple)):
+            mark_model_caches(model, cache)
             problem = cache_mismatch(model, cache)
             if problem:
                 raise ValueError(problem)

@@ -4,10 +4,8 @@ MLA models keep stock's caches (``KVCache``, ``RotatingKVCache``,
 ``BatchKVCache``): other programs know those classes by name, and they serve
 a plain latent well. The hooks act where stock goes wrong, at quantization.
 
-Which models cache a latent is found from the model itself: an attention
-module with a ``kv_lora_rank`` and the absorbed projections ``embed_q`` and
-``unembed_out``. ``deepseek_v2`` and ``minicpm3`` expand the latent to
-per-head K/V and have no ``embed_q``.
+Which caches hold a latent is known from the attention that writes them
+(``latent.py``), not from their widths.
 """
 
 from .cache import (
@@ -15,32 +13,22 @@ from .cache import (
     BatchQuantizedLatentCache,
     _PackedLatent,
     extend_latent,
-    is_latent_layout,
     quantize_latent,
+)
+from .latent import (
+    carry_mark,
+    has_latent_attention,
+    is_latent,
+    latent_modules,
+    leaves,
+    mark_model_caches,
 )
 
 
-def is_latent_attention(module) -> bool:
-    return (
-        isinstance(getattr(module, "kv_lora_rank", None), int)
-        and hasattr(module, "embed_q")
-        and hasattr(module, "unembed_out")
-    )
-
-
 def count_latent_attention(layer) -> int:
-    """How many latent-caching attention modules one decoder layer has (two
-    in LongCat-Flash, which runs two attention sublayers)."""
-    return sum(is_latent_attention(m) for _, m in layer.named_modules())
-
-
-def has_latent_attention(model) -> bool:
-    # Found once per model instance; the layers do not change.
-    found = vars(model).get("_mlx_lm_mla_latent")
-    if found is None:
-        found = any(count_latent_attention(layer) for layer in model.layers)
-        object.__setattr__(model, "_mlx_lm_mla_latent", found)
-    return found
+    """How many MLA attention modules one decoder layer has (two in
+    LongCat-Flash, which runs two attention sublayers)."""
+    return len(latent_modules(layer))
 
 
 # --- stock caches, fixed where they are quantized --------------------------
@@ -51,8 +39,9 @@ def latent_to_quantized(original):
     quantizes it in place; any other cache does what upstream does."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        if is_latent_layout(self):
-            return quantize_latent(self, group_size, bits)
+        if is_latent(self):
+            # An empty latent cache has no widths to quantize yet.
+            return self if self.keys is None else quantize_latent(self, group_size, bits)
         return original(self, group_size, bits)
 
     to_quantized.mlx_lm_mla_original = original
@@ -66,10 +55,65 @@ def latent_merge(original, owner):
     def merge(cls, caches):
         if cls is owner and any(isinstance(c, _PackedLatent) for c in caches):
             return BatchQuantizedLatentCache.merge(caches)
-        return original(cls, caches)
+        batch = original(cls, caches)
+        carry_mark(caches, batch)
+        return batch
 
     merge.mlx_lm_mla_original = original
     return merge
+
+
+def marked_extract(original):
+    """``BatchKVCache.extract`` whose single cache is known as its batch was."""
+
+    def extract(self, idx):
+        cache = original(self, idx)
+        carry_mark([self], cache)
+        return cache
+
+    extract.mlx_lm_mla_original = original
+    return extract
+
+
+def marked_make_prompt_cache(original):
+    """``make_prompt_cache`` whose caches are known not to hold a latent when
+    the model has no MLA attention."""
+
+    def make_prompt_cache(model, *args, **kwargs):
+        return mark_model_caches(model, original(model, *args, **kwargs))
+
+    make_prompt_cache.mlx_lm_mla_original = original
+    return make_prompt_cache
+
+
+# --- CacheList models (DeepSeek-V3.2, GLM-5, LongCat-Flash) ----------------
+# Stock never quantizes a CacheList: maybe_quantize_kv_cache skips anything
+# without ``to_quantized``. A CacheList that holds a latent shows one (and
+# the offset it is read with); any other keeps stock's behaviour exactly.
+
+
+def _latent_members(cache_list):
+    members = [c for c in cache_list.caches if is_latent(c)]
+    if not members:
+        raise AttributeError("a CacheList without an MLA latent is never quantized")
+    return members
+
+
+def cache_list_to_quantized(self):
+    members = _latent_members(self)
+
+    def to_quantized(group_size: int = 64, bits: int = 4):
+        # Only the latent: the DSA indexer's keys choose the attended tokens.
+        for c in members:
+            if isinstance(c, _PackedLatent) or c.keys is not None:
+                quantize_latent(c, group_size, bits)
+        return self
+
+    return to_quantized
+
+
+def cache_list_offset(self):
+    return _latent_members(self)[0].offset
 
 
 def refuse_quantized_merge(original):
@@ -103,12 +147,12 @@ def latent_extend(original):
 def quantize_batches(caches, group_size, bits, start):
     """Quantizes, in place, each plain batch cache that holds an MLA latent
     once its longest row (``_idx``, no host sync) holds ``start`` tokens."""
-    for c in caches:
+    for c in leaves(caches):
         if (
             type(c) in QUANTIZED_LATENT  # not a rotating batch: it cannot quantize
             and isinstance(getattr(c, "_idx", None), int)
             and c._idx >= start
-            and is_latent_layout(c)
+            and is_latent(c)
         ):
             quantize_latent(c, group_size, bits)
 

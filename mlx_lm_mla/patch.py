@@ -18,9 +18,10 @@ from . import (
     guards,
     handler,
     hooks,
+    latent,
     window,
 )  # noqa: F401 (window registers its class)
-from .cache import QUANTIZED_LATENT, _PackedLatent, is_latent_layout
+from .cache import QUANTIZED_LATENT
 
 # Tested range of mlx-lm: [low, high).
 SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))
@@ -71,26 +72,43 @@ def _wrap_classmethod(owner, name, wrapper):
     _set(owner, name, classmethod(wrapper(vars(owner)[name].__func__)))
 
 
+def _install_attention():
+    # The caches an MLA attention writes are marked as latent (latent.py).
+    classes, unreadable = latent.load_attention()
+    for cls, member in classes.items():
+        _wrap(cls, "__call__", lambda f, m=member: latent.marking_call(f, m))
+        latent.ATTENTION[cls] = member
+    if unreadable:
+        warnings.warn(
+            "mlx-lm-mla cannot tell which cache these MLA attention classes "
+            f"write, so their caches follow the shape rule: {', '.join(unreadable)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _install_caches(cache_module):
     # Models keep stock's caches; the fix is where stock quantizes them.
     # load_prompt_cache and CacheList look cache classes up by name here.
     for cls in QUANTIZED_LATENT.values():
         _set(cache_module, cls.__name__, cls)
+    _install_attention()
+    _rebind(cache_module, "make_prompt_cache", hooks.marked_make_prompt_cache)
     for owner in (cache_module.KVCache, cache_module.RotatingKVCache):
         _wrap(owner, "to_quantized", hooks.latent_to_quantized)
     batch = cache_module.BatchKVCache
     _wrap_classmethod(batch, "merge", lambda f: hooks.latent_merge(f, batch))
     _wrap(batch, "extend", hooks.latent_extend)
+    _wrap(batch, "extract", hooks.marked_extract)
+    listed = cache_module.CacheList
+    _set(listed, "to_quantized", property(hooks.cache_list_to_quantized))
+    _set(listed, "offset", property(hooks.cache_list_offset))
     _wrap_classmethod(
         cache_module.BatchRotatingKVCache, "merge", hooks.refuse_quantized_merge
     )
     # mlx_lm.server --kv-bits batches MLA models (see _install_reuse_guards).
     generate = importlib.import_module("mlx_lm.generate")
     _wrap(getattr(generate, "BatchGenerator", None), "_next", hooks.quantizing_next)
-
-
-def _is_latent(cache):
-    return isinstance(cache, _PackedLatent) or is_latent_layout(cache)
 
 
 def _rebind(home, name, wrapper):
@@ -110,7 +128,7 @@ def _install_reuse_guards(cache_module):
     _rebind(
         cache_module,
         "save_prompt_cache",
-        lambda f: files.checksummed_save(f, _is_latent),
+        lambda f: files.checksummed_save(f, latent.is_latent),
     )
     generate = importlib.import_module("mlx_lm.generate")
     _rebind(generate, "generate_step", files.checked_generate_step)
@@ -192,6 +210,7 @@ def install():
 def uninstall():
     """Restores everything ``install()`` changed. Returns what was restored."""
     restored = []
+    latent.ATTENTION.clear()
     while _applied:
         owner, name, had, old, label = _applied.pop()
         if had:

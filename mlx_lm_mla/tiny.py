@@ -429,6 +429,19 @@ _STAND_IN_CONFIGS = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
     },
+    # Multi-query attention: one KV head, like an MLA latent cache has.
+    "llama": lambda: {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": VOCAB_SIZE,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
 }
 
 # Vision-language wrappers that read the language model from text_config.

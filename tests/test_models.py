@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache, tiny
-from mlx_lm_mla.cache import is_latent_layout
+from mlx_lm_mla.latent import is_latent
 from mlx_lm_mla.hooks import count_latent_attention
 
 from conftest import leaves
@@ -28,7 +28,7 @@ def chunked_logits(model, cache, tokens, chunks=(9, 6)):
 
 def latent_caches(caches):
     """The caches that hold a latent once the model ran."""
-    return [c for c in leaves(caches) if is_latent_layout(c)]
+    return [c for c in leaves(caches) if is_latent(c)]
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)

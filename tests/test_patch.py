@@ -21,11 +21,14 @@ def test_install_registers_classes_where_load_prompt_cache_looks(stock):
     assert "mlx_lm.models.cache.QuantizedRotatingLatentCache" in patched
 
 
-def test_install_leaves_every_model_class_alone(stock):
+def test_install_touches_only_the_mla_attention_calls_of_model_classes(stock):
+    from mlx_lm_mla import latent
+
     mlx_lm_mla.install()
-    for model_type in tiny.MLA_MODEL_TYPES:
-        module = importlib.import_module(f"mlx_lm.models.{model_type}")
-        assert not any(label.startswith(module.__name__) for label in mlx_lm_mla.installed())
+    attention = {f"{c.__module__}.{c.__qualname__}.__call__" for c in latent.ATTENTION}
+    in_models = {label for label in mlx_lm_mla.installed() if label.startswith("mlx_lm.models.") and
+                 not label.startswith("mlx_lm.models.cache.")}
+    assert attention and in_models == attention
     assert "make_cache" not in deepseek_v3.Model.__dict__
 
 

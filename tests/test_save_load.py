@@ -12,7 +12,7 @@ import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from mlx_lm_mla import tiny
-from mlx_lm_mla.cache import is_latent_layout
+from mlx_lm_mla.latent import is_latent
 from mlx_lm_mla.files import CHECKSUM, CorruptCacheFile
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
@@ -23,7 +23,7 @@ def prefilled(model, bits=None):
     model(mx.array([PROMPT[:14]]), cache=cache)
     if bits:
         for c in cache:
-            if is_latent_layout(c):
+            if is_latent(c):
                 c.to_quantized(group_size=32, bits=bits)
     return cache
 

@@ -1,0 +1,190 @@
+"""Which caches hold an MLA latent: known from the attention that writes them.
+
+An MLA attention (DeepSeek-V3, GLM-4.7-Flash, Kimi, LongCat, ...) writes its
+compressed latent and RoPE key into one cache. Their widths say nothing
+reliable: a latent may be as wide as its RoPE key, and a per-head cache of
+another model may have one head and keys wider than its values. So the
+package reads the installed mlx-lm's model sources once, finds the MLA
+attention classes and which cache each one writes, and ``install()`` wraps
+their ``__call__`` to mark that cache. A mark is an attribute of the cache
+object, so copies and deepcopies keep it, and every caller writes a cache
+through its model before it quantizes it.
+
+- marked ``True``: an MLA attention wrote it;
+- marked ``False``: it belongs to a model with no MLA attention;
+- no mark (a bare cache, or one just restored from a file): the shape rule
+  of ``is_latent_layout``.
+"""
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+from .cache import _PackedLatent, is_latent_layout
+
+MARK = "_mlx_lm_mla_latent"
+# The absorbed projections of an MLA attention that attends over its latent;
+# DeepSeek-V2 and MiniCPM3 expand the latent to per-head K/V and have neither.
+_LATENT_FIELDS = {"kv_lora_rank", "embed_q"}
+
+# {attention class: which cache it writes: None for the one it is handed,
+# an index for a member of a CacheList}. Filled by install().
+ATTENTION = {}
+
+
+def _self_fields(function):
+    # Every name assigned as self.<name> (tuple targets too).
+    return {
+        node.attr
+        for node in ast.walk(function)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+
+
+def _written(call, name):
+    """The caches ``call`` (a ``__call__`` def) writes through its argument
+    ``name``: None for ``name.update_and_fetch``, i for ``name[i].update_and_fetch``."""
+    found = set()
+    for node in ast.walk(call):
+        if not (isinstance(node, ast.Attribute) and node.attr == "update_and_fetch"):
+            continue
+        target = node.value
+        if isinstance(target, ast.Name) and target.id == name:
+            found.add(None)
+        elif (
+            isinstance(target, ast.Subscript)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == name
+            and isinstance(target.slice, ast.Constant)
+            and isinstance(target.slice.value, int)
+        ):
+            found.add(target.slice.value)
+    return found
+
+
+def scan_source(source):
+    """{class name: the cache it writes} for the MLA attention classes of a
+    model module's source, and the names of those it cannot tell."""
+    found, unclear = {}, []
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        init, call = methods.get("__init__"), methods.get("__call__")
+        if init is None or call is None or not _LATENT_FIELDS <= _self_fields(init):
+            continue
+        written = _written(call, "cache")
+        if len(written) == 1:
+            found[cls.name] = written.pop()
+        else:
+            unclear.append(cls.name)
+    return found, unclear
+
+
+def find_attention(models_dir):
+    """[(module name, class name, member)] of the MLA attention classes in an
+    mlx-lm ``models`` folder, and [(module, class)] it could not read."""
+    found, unclear = [], []
+    for path in sorted(Path(models_dir).glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        if not all(f in source for f in _LATENT_FIELDS):  # cheap before parsing
+            continue
+        classes, unknown = scan_source(source)
+        found += [(path.stem, name, member) for name, member in classes.items()]
+        unclear += [(path.stem, name) for name in unknown]
+    return found, unclear
+
+
+def load_attention(package="mlx_lm"):
+    """The installed mlx-lm's MLA attention classes: ``{class: member}``,
+    and what could not be read or imported, by name."""
+    models = importlib.import_module(f"{package}.models")
+    found, unclear = find_attention(Path(models.__file__).parent)
+    classes, problems = {}, [f"{package}.models.{m}.{c}" for m, c in unclear]
+    for module_name, name, member in found:
+        try:
+            module = importlib.import_module(f"{package}.models.{module_name}")
+            classes[getattr(module, name)] = member
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{package}.models.{module_name}.{name} ({e})")
+    return classes, problems
+
+
+def mark(cache, value=True):
+    if cache is None or getattr(cache, MARK, None) is value:
+        return
+    try:
+        setattr(cache, MARK, value)
+    except AttributeError:  # a cache class with __slots__: the shape rule applies
+        pass
+
+
+def marking_call(original, member):
+    """``__call__`` of an MLA attention that marks the cache it writes."""
+    names = list(inspect.signature(original).parameters)
+    position = names.index("cache") - 1  # the arguments after self
+
+    def __call__(self, *args, **kwargs):
+        cache = args[position] if len(args) > position else kwargs.get("cache")
+        if cache is not None:
+            mark(cache if member is None else cache[member])
+        return original(self, *args, **kwargs)
+
+    __call__.mlx_lm_mla_original = original
+    return __call__
+
+
+def is_latent(cache) -> bool:
+    """Whether ``cache`` holds an MLA latent (see the module docstring)."""
+    if isinstance(cache, _PackedLatent):
+        return True
+    known = getattr(cache, MARK, None)
+    return is_latent_layout(cache) if known is None else known
+
+
+def carry_mark(sources, target):
+    """Marks ``target``, made from ``sources`` (merge, extract), as they were."""
+    marks = {getattr(c, MARK, None) for c in sources}
+    if True in marks:
+        mark(target, True)
+    elif marks == {False}:
+        mark(target, False)
+
+
+def latent_modules(layer):
+    """The MLA attention modules of one decoder layer (LongCat-Flash has two)."""
+    return [m for _, m in layer.named_modules() if type(m) in ATTENTION]
+
+
+def has_latent_attention(model) -> bool:
+    # Found once per model instance while installed; the layers do not change.
+    found = vars(model).get("_mlx_lm_mla_has_latent")
+    if found is None:
+        found = any(latent_modules(layer) for layer in getattr(model, "layers", []))
+        if ATTENTION:
+            object.__setattr__(model, "_mlx_lm_mla_has_latent", found)
+    return found
+
+
+def leaves(caches):
+    for c in caches:
+        inner = getattr(c, "caches", None)
+        if isinstance(inner, (list, tuple)):
+            yield from leaves(inner)
+        else:
+            yield c
+
+
+def mark_model_caches(model, caches):
+    """The caches of a model with no MLA attention hold no latent, whatever
+    their widths; those of an MLA model are marked as its attention writes."""
+    # Nothing is known while uninstalled (a wrapper someone bound by name).
+    if ATTENTION and isinstance(caches, (list, tuple)) and not has_latent_attention(model):
+        for c in leaves(caches):
+            if getattr(c, MARK, None) is None:
+                mark(c, False)
+    return caches

@@ -1,0 +1,168 @@
+"""Which caches hold an MLA latent: known from the attention that writes
+them, on every path a cache takes, whatever its widths."""
+
+import copy
+
+import mlx.core as mx
+import pytest
+import mlx_lm.models.cache as cache_module
+from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from mlx_lm_mla import QuantizedLatentCache, latent, tiny
+
+from conftest import leaves
+
+PROMPT = [(5 * i + 7) % 190 + 5 for i in range(40)]
+SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its RoPE key
+# A model that caches full K/V with one head: keys 64 wide, values 32.
+LOOKALIKE = {"num_attention_heads": 1, "num_key_value_heads": 1, "qk_nope_head_dim": 48}
+
+
+def generate(model, cache, prompt, bits, group_size=64, start=16, n=6):
+    steps = generate_step(
+        mx.array(prompt), model, prompt_cache=cache, max_tokens=n,
+        kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start,
+    )
+    return [t for t, _ in steps]
+
+
+def test_the_attention_classes_are_read_from_the_installed_models(installed):
+    names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in latent.ATTENTION}
+    assert {"deepseek_v3.DeepseekV3Attention", "glm4_moe_lite.Glm4MoeLiteAttention"} <= names
+    dsa = next(c for c in latent.ATTENTION if c.__name__ == "DeepseekV32Attention")
+    assert latent.ATTENTION[dsa] == 0  # it writes the first member of its CacheList
+
+
+def test_the_source_says_which_cache_an_attention_writes():
+    source = '''
+class Sparse:
+    def __init__(self):
+        self.kv_lora_rank, self.embed_q = 8, None
+    def __call__(self, x, cache=None):
+        return cache[1].update_and_fetch(x, x)
+
+class Expanding:  # DeepSeek-V2 style: no absorbed projection, full K/V
+    def __init__(self):
+        self.kv_lora_rank = 8
+    def __call__(self, x, cache=None):
+        return cache.update_and_fetch(x, x)
+
+class Twice:
+    def __init__(self):
+        self.kv_lora_rank, self.embed_q = 8, None
+    def __call__(self, x, cache=None):
+        cache[0].update_and_fetch(x, x)
+        return cache[1].update_and_fetch(x, x)
+'''
+    assert latent.scan_source(source) == ({"Sparse": 1}, ["Twice"])
+
+
+def test_a_latent_as_wide_as_its_rope_key_is_quantized_across_requests(installed):
+    model, _ = tiny.build_model("glm4_moe_lite", **SQUARE)
+    cache = make_prompt_cache(model)
+    first = generate(model, cache, PROMPT, bits=4)
+    assert all(type(c) is QuantizedLatentCache for c in cache)
+    for k in range(3):  # reuse: each request continues the cross-request cache
+        assert len(generate(model, cache, [7 + k, 9, 11], bits=4)) == 6
+    assert len(first) == 6 and all(c.latent_bits == 4 for c in cache)
+
+
+def test_stock_fails_a_latent_as_wide_as_its_rope_key(stock):
+    model, _ = tiny.build_model("glm4_moe_lite", **SQUARE)
+    cache = make_prompt_cache(model)
+    with pytest.raises(AttributeError, match="swapaxes"):
+        generate(model, cache, PROMPT, bits=4)
+        generate(model, cache, [7, 9, 11], bits=4)
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {}),  # one KV head, keys as wide as values
+        ("deepseek_v2", LOOKALIKE),  # one head, keys wider than values
+    ],
+)
+def test_a_one_head_model_without_mla_keeps_stocks_quantized_cache(model_type, overrides, installed):
+    model, _ = tiny.build_model(model_type, **overrides)
+    cache = make_prompt_cache(model)
+    got = generate(model, cache, PROMPT, bits=4, group_size=32)
+    assert all(type(c) is QuantizedKVCache for c in cache)
+    from mlx_lm_mla import uninstall, install
+
+    uninstall()
+    try:
+        expected = generate(model, make_prompt_cache(model), PROMPT, bits=4, group_size=32)
+    finally:
+        install()
+    assert got == expected
+
+
+def test_a_restored_cache_of_a_model_without_mla_keeps_stocks_quantized_cache(installed):
+    model, _ = tiny.build_model("deepseek_v2", **LOOKALIKE)
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT[:20]]), cache=cache)
+    restored = [getattr(cache_module, type(c).__name__)() for c in cache]
+    for c, r in zip(cache, restored):
+        r.state = c.state  # what load_prompt_cache does: the class by name, then state
+    generate(model, restored, PROMPT[20:], bits=4, group_size=32, start=0)
+    assert all(type(c) is QuantizedKVCache for c in restored)
+
+
+def written(model_type="glm4_moe_lite", **overrides):
+    model, _ = tiny.build_model(model_type, **overrides)
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT[:20]]), cache=cache)
+    return model, cache
+
+
+def test_copies_and_deepcopies_stay_known(installed):
+    _, cache = written(**SQUARE)
+    for c in (copy.copy(cache[0]), copy.deepcopy(cache[0])):
+        assert c.to_quantized(group_size=64, bits=4) is c and type(c) is QuantizedLatentCache
+
+
+def test_merge_and_extract_stay_known(installed):
+    _, a = written(**SQUARE)
+    _, b = written(**SQUARE)
+    batch = KVCache.merge([a[0], b[0]])
+    assert latent.is_latent(batch)
+    batch.filter([1])
+    single = batch.extract(0)
+    assert latent.is_latent(single)
+    assert single.to_quantized(group_size=64, bits=4) is single
+
+
+def test_a_restored_cache_is_known_again_once_its_model_writes_it(installed):
+    model, cache = written(**SQUARE)
+    restored = [cache_module.KVCache() for _ in cache]
+    for c, r in zip(cache, restored):
+        r.state = c.state
+    assert not latent.is_latent(restored[0])  # no model has written it yet: square widths
+    generate(model, restored, PROMPT[20:], bits=4, start=0)
+    assert all(type(c) is QuantizedLatentCache for c in restored)
+
+
+def test_a_caller_quantizing_a_copy_of_the_list_quantizes_the_live_cache(installed):
+    _, cache = written(**SQUARE)
+    live = list(cache)
+    maybe_quantize_kv_cache(list(cache), 0, 64, 8)
+    assert all(type(c) is QuantizedLatentCache for c in live)
+
+
+def test_a_bare_cache_follows_the_shape_rule(installed):
+    wide, square = KVCache(), KVCache()
+    wide.update_and_fetch(mx.zeros((1, 1, 4, 64)), mx.zeros((1, 1, 4, 16)))
+    square.update_and_fetch(mx.zeros((1, 1, 4, 64)), mx.zeros((1, 1, 4, 64)))
+    assert type(wide.to_quantized(64, 4)) is QuantizedLatentCache
+    assert type(square.to_quantized(64, 4)) is QuantizedKVCache
+
+
+def test_uninstall_forgets_the_attention_classes(stock):
+    from mlx_lm_mla import install, uninstall
+
+    install()
+    attention = next(iter(latent.ATTENTION))
+    assert "mlx_lm_mla_original" in dir(attention.__call__)
+    uninstall()
+    assert latent.ATTENTION == {} and not hasattr(attention.__call__, "mlx_lm_mla_original")
