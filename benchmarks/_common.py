@@ -46,6 +46,20 @@ DEEPSEEK_V3 = dict(
     qk_nope_head_dim=128,
     v_head_dim=128,
 )
+# The DSA models keep a CacheList per layer: the latent and the indexer's keys.
+# Widths from the published configs (transformers' DeepseekV32Config for
+# deepseek-ai/DeepSeek-V3.2-Exp, GlmMoeDsaConfig for zai-org/GLM-5).
+DEEPSEEK_V3_2 = dict(DEEPSEEK_V3, name="DeepSeek-V3.2", index_head_dim=128)
+GLM_5 = dict(
+    name="GLM-5",
+    layers=78,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    heads=64,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+    index_head_dim=128,
+)
 
 
 def versions():

@@ -38,7 +38,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import DEEPSEEK_V3, GLM_4_7_FLASH, active_memory, cache_arrays, table, write_json
+from _common import DEEPSEEK_V3, DEEPSEEK_V3_2, GLM_4_7_FLASH, GLM_5, active_memory, cache_arrays, table, write_json
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -239,6 +239,38 @@ def window_rows(shape, window, n, args, dtype):
     return rows
 
 
+def dsa_rows(shape, n, args, dtype):
+    """A DSA model's layer: the latent (quantized under kv_bits) and the
+    indexer's key cache, which stays at the model's dtype. mlx-lm's indexer
+    also stores a zero array as wide as its keys in the values slot."""
+    dbytes = mx.zeros((1,), dtype).itemsize
+    lat, rope, index = shape["kv_lora_rank"], shape["qk_rope_head_dim"], shape["index_head_dim"]
+    layers = shape["layers"]
+    _, indexer, _ = measure(lambda: fill(KVCache(), (index, index, 1), 1, n, args.tail, dtype))
+    exact = None
+    rows = []
+    for bits in (None, 8, 4):
+        _, latent, _ = measure(
+            lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+        )
+        total = (latent + indexer) / n * layers
+        exact = exact or total
+        rows.append(
+            dict(
+                model=shape["name"],
+                tokens=n,
+                latent=f"{bits}-bit" if bits else f"{args.dtype} (stock)",
+                latent_per_token=latent / n * layers,
+                latent_floor=floor_bytes(shape, dbytes, bits, args.group_size) * layers,
+                latent_ratio=latent / (floor_bytes(shape, dbytes, bits, args.group_size) * n),
+                indexer_per_token=indexer / n * layers,
+                total_per_token=total,
+                of_unquantized=total / exact,
+            )
+        )
+    return rows
+
+
 def pipeline_split(layers, ranks):
     """Layers per pipeline rank: even, the low ranks take the extra ones."""
     base, extra = divmod(layers, ranks)
@@ -298,7 +330,7 @@ def main():
     for bits in (None, 8, 4):
         measure(lambda: fill(KVCache(), (64, 32, 1), 1, 300, args.tail, dtype, bits))
 
-    single, batch, windows = [], [], []
+    single, batch, windows, dsa = [], [], [], []
     for shape in (GLM_4_7_FLASH, DEEPSEEK_V3):
         for n in args.tokens:
             print(f"{shape['name']}, N={n} ...", file=sys.stderr, flush=True)
@@ -307,6 +339,9 @@ def main():
                 windows += window_rows(shape, args.window, n, args, dtype)
         print(f"{shape['name']}, batch {args.batch} ...", file=sys.stderr, flush=True)
         batch += batch_rows(shape, args.batch, args, dtype)
+    for shape in (DEEPSEEK_V3_2, GLM_5):
+        print(f"{shape['name']}, N={max(args.tokens)} ...", file=sys.stderr, flush=True)
+        dsa += dsa_rows(shape, max(args.tokens), args, dtype)
 
     print(f"\nBytes per token, whole model ({args.dtype}; prefill N-{args.tail} in chunks of {PREFILL_STEP}, then {args.tail} decode steps)")
     print("ratio = nbytes / floor; held = growth of MLX active memory / floor; allowed = 1% + one 256-token step\n")
@@ -355,6 +390,23 @@ def main():
             ("held_ratio", "held", "{:.4f}"),
         ],
     )
+    print(
+        f"\nDSA models (a CacheList per layer), bytes per token at N={max(args.tokens):,}, whole model: "
+        "the latent quantizes under kv_bits, the indexer's keys stay at the model's dtype\n"
+    )
+    table(
+        dsa,
+        [
+            ("model", "model", None),
+            ("latent", "latent", None),
+            ("latent_per_token", "latent bytes/token", "{:,.0f}"),
+            ("latent_floor", "latent floor", "{:,.0f}"),
+            ("latent_ratio", "ratio", "{:.4f}"),
+            ("indexer_per_token", "indexer bytes/token", "{:,.0f}"),
+            ("total_per_token", "total", "{:,.0f}"),
+            ("of_unquantized", "of unquantized", "{:.3f}"),
+        ],
+    )
     per_rank = per_rank_rows(single, (GLM_4_7_FLASH, DEEPSEEK_V3), args.ranks)
     print(
         f"\nPer rank across machines, bytes per token at N={max(args.tokens):,}: tensor parallel "
@@ -378,7 +430,7 @@ def main():
         args.json,
         "bytes_per_token",
         args,
-        {"single": single, "batch": batch, "window": windows, "per_rank": per_rank},
+        {"single": single, "batch": batch, "window": windows, "dsa": dsa, "per_rank": per_rank},
         started,
     )
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")

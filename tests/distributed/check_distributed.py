@@ -13,9 +13,9 @@ switch it off themselves and expect stock mlx-lm's ``swapaxes`` error.
 
 Which parallelism a model gets is what its installed mlx-lm class offers
 (``model.model.pipeline``, ``model.shard``), as ``sharded_load`` decides. The
-``CacheList`` model is DeepSeek-V3.2: it has both. Its latent is never
-quantized (mlx-lm skips ``CacheList``), and its ``make_cache`` ignores
-``max_kv_size``, so it has no rolling-window or quantized-class tests.
+``CacheList`` model is DeepSeek-V3.2: it has both. Its latent quantizes in
+place like the others (its indexer's keys stay exact), and its
+``make_cache`` ignores ``max_kv_size``, so it has no rolling-window tests.
 
     python -m pytest -q tests/distributed -o python_files=check_*.py
 
@@ -74,7 +74,7 @@ PREFIX = len(ranks.PREFIX)  # tokens each later request shares with the first
 
 CAPABILITIES = {t: _capabilities(t) for t in CONFIGS}
 MODES = [m for m in ("pipeline", "tensor") if any(m in modes for modes, _ in CAPABILITIES.values())]
-# latent-layout KVCaches: quantized under kv_bits, unlike a CacheList
+# plain latent KVCaches, also tested at 8 bits
 QUANTIZABLE = ["glm4_moe_lite", "deepseek_v3"]
 WINDOWED = [t for t in CONFIGS if CAPABILITIES[t][1]]
 
@@ -232,11 +232,12 @@ def test_every_rank_quantizes_its_latent_in_place(mode, model_type, bits, runs):
 
 
 @pytest.mark.parametrize("mode, model_type", cases(["deepseek_v32"]))
-def test_a_cache_list_model_reuses_its_prompt_cache_like_one_process(mode, model_type, runs):
+def test_a_cache_list_model_quantizes_and_reuses_its_prompt_cache_like_one_process(mode, model_type, runs):
     for got, ref in runs(mode).results(model_type, "reuse_kv4"):
         assert got["tokens"] == ref["tokens"]
         assert got["reused"] == [0, PREFIX, PREFIX]
-        assert got["classes"] == ["KVCache"]  # a CacheList is never quantized
+        # the latent quantized in place on every rank, the indexer's keys exact
+        assert got["classes"] == ref["classes"] == ["KVCache", "QuantizedLatentCache"]
 
 
 @pytest.mark.parametrize("mode, model_type", cases(CONFIGS, "pipeline"))
