@@ -18,6 +18,7 @@ from mlx_lm.models.cache import (
 
 from mlx_lm_mla import QuantizedLatentCache, tiny
 
+from serving import Server, cached_tokens, four_clients, questions, server_supports
 from test_batching import drain, serve_settings
 
 TYPES = [t for t in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram") if t in tiny.MLA_MODEL_TYPES]
@@ -135,3 +136,14 @@ def test_a_cache_list_without_a_latent_is_never_quantized(installed):
     cache = [CacheList(ArraysCache(size=1), heads)]
     maybe_quantize_kv_cache(cache, 0, 32, 4)
     assert not hasattr(cache[0], "to_quantized") and type(cache[0].caches[1]) is KVCache
+
+
+if server_supports("--kv-bits"):  # mlx-lm 0.31.2's server has no --kv-bits
+
+    def test_a_dsa_model_is_served_with_kv_bits_and_continuous_batching(tmp_path):
+        path = tiny.save_model(tmp_path / "dsv32", "deepseek_v32", quantize_bits=6)
+        with Server(path, "--decode-concurrency", 4, "--kv-bits", 4, "--quantized-kv-start", 32) as server:
+            served, errors = four_clients(server, per_client=3, max_tokens=40)
+            text, usage = server.chat(questions(1)[0], max_tokens=40)
+        assert errors == [] and len(served) == 12
+        assert cached_tokens(usage) > 0  # the quantized prompt cache was reused
