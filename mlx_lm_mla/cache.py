@@ -40,10 +40,28 @@ def _ints(x):
 _META = hasattr(KVCache, "meta_state")  # mlx-lm 0.31 saves a meta_state
 
 
+def dequantize_bytes(packed, scales, biases, group_size, bits):
+    """``mx.dequantize`` of a packed latent held as bytes. On the CPU, for 2,
+    4 and 8 bits, the same arithmetic as elementwise ops: MLX's CPU kernel
+    runs 3-4x slower than they do (``benchmarks/decode_speed.py``)."""
+    if bits not in (2, 4, 8) or mx.default_device().type != mx.cpu:
+        return mx.dequantize(mx.view(packed, mx.uint32), scales, biases, group_size=group_size, bits=bits)
+    mask, shifts = (1 << bits) - 1, range(0, 8, bits)  # the low bits come first
+    q = packed if bits == 8 else mx.stack([(packed >> i) & mask for i in shifts], axis=-1)
+    q = q.reshape(*packed.shape[:-1], -1, group_size).astype(scales.dtype)
+    return (q * scales[..., None] + biases[..., None]).reshape(*packed.shape[:-1], -1)
+
+
+# Serialized formats start with the layout's name; one without a name is the
+# earlier layout (latent, scales and biases in the keys), read by converting.
+LAYOUT = "packed-keys"
+
+
 class _PackedLatent:
-    """Stores the quantized latent as bytes in the base cache: the keys hold
-    the packed latent, scales and biases, the values the RoPE key, one row
-    per token, so the base class moves whole tokens in every op. No ``bits``
+    """Stores the quantized latent as bytes in the base cache, one row per
+    token, so the base class moves whole tokens in every op: the keys hold
+    only the packed latent, so a decode step reads them in place, and the
+    values hold the RoPE key, then the scales and biases. No ``bits``
     attribute: models would take quantized attention, MLA needs the latent.
     """
 
@@ -53,6 +71,7 @@ class _PackedLatent:
         self._format = (group_size, bits, width, dtype, rope_width, rope_dtype)
 
     def _sizes(self):
+        """Bytes per token: packed latent, scales (as many as biases), RoPE key."""
         g, b, w, d, rw, rd = self._format
         scales = w // g * getattr(mx, d).size
         return w * b // 8, scales, rw * getattr(mx, rd).size
@@ -66,19 +85,17 @@ class _PackedLatent:
                 f"widths {w} and {rw}"
             )
         # Other dtypes are cast, as KVCache does.
-        parts = mx.quantize(latent.astype(getattr(mx, d)), group_size=g, bits=b)
-        packed = mx.concatenate([mx.view(p, mx.uint8) for p in parts], axis=-1)
-        return packed, mx.view(rope.astype(getattr(mx, rd)), mx.uint8)
+        packed, scales, biases = mx.quantize(latent.astype(getattr(mx, d)), group_size=g, bits=b)
+        rope = rope.astype(getattr(mx, rd))
+        values = mx.concatenate([mx.view(x, mx.uint8) for x in (rope, scales, biases)], axis=-1)
+        return mx.view(packed, mx.uint8), values
 
     def _decode(self, keys, values):
         g, b, _, d, _, rd = self._format
-        w, s, _ = self._sizes()
-        q, scales, biases = keys[..., :w], keys[..., w : w + s], keys[..., w + s :]
-        scales, biases = (mx.view(x, getattr(mx, d)) for x in (scales, biases))
-        latent = mx.dequantize(
-            mx.view(q, mx.uint32), scales, biases, group_size=g, bits=b
-        )
-        return latent, mx.view(values, getattr(mx, rd))
+        _, s, r = self._sizes()
+        scales, biases = (mx.view(x, getattr(mx, d)) for x in (values[..., r : r + s], values[..., r + s :]))
+        latent = dequantize_bytes(keys, scales, biases, g, b)
+        return latent, mx.view(values[..., :r], getattr(mx, rd))
 
     def update_and_fetch(self, latent, rope):
         return self._decode(*super().update_and_fetch(*self._encode(latent, rope)))
@@ -104,7 +121,7 @@ class _PackedLatent:
     @property
     def state(self):
         state = tuple(super().state)
-        return state if _META else state + (",".join(map(str, self._format)),)
+        return state if _META else state + (self._format_text(),)
 
     @state.setter
     def state(self, v):
@@ -121,7 +138,7 @@ class _PackedLatent:
         def meta_state(self):
             base = super().meta_state
             base = tuple(base) if isinstance(base, (list, tuple)) else ()
-            return base + (",".join(map(str, self._format)),)
+            return base + (self._format_text(),)
 
         @meta_state.setter
         def meta_state(self, v):
@@ -131,27 +148,43 @@ class _PackedLatent:
                 super(_PackedLatent, type(self)).meta_state.fset(self, base)
             self._check_bytes()  # from_state sets the state first
 
+    def _format_text(self):
+        return ",".join(map(str, (LAYOUT, *self._format)))
+
     def _read_format(self, text):
+        fields = str(text).split(",")
+        self._earlier_layout = fields[0] != LAYOUT
         try:
-            g, b, w, d, rw, rd = str(text).split(",")
+            g, b, w, d, rw, rd = fields[0 if self._earlier_layout else 1 :]
             getattr(mx, d), getattr(mx, rd)
             self._set_format(int(g), int(b), int(w), d, int(rw), rd)
         except (ValueError, AttributeError):
             raise ValueError(f"{type(self).__name__}: no quantization format: {text!r}")
 
     def _check_bytes(self):
-        keys, values, (w, s, r) = self.keys, self.values, self._sizes()
+        (w, s, r), keys, values = self._sizes(), self.keys, self.values
+        if getattr(self, "_earlier_layout", False):
+            keys, values = self._from_earlier_layout(keys, values, w, s, r)
         shapes = [getattr(x, "shape", type(x).__name__) for x in (keys, values)]
         if not (
             all(isinstance(x, mx.array) and x.dtype == mx.uint8 for x in (keys, values))
-            and shapes == [(*keys.shape[:3], w + 2 * s), (*keys.shape[:3], r)]
             and keys.ndim == 4
+            and shapes == [(*keys.shape[:3], w), (*keys.shape[:3], r + 2 * s)]
             and keys.shape[1] == 1
         ):
             raise ValueError(
                 f"{type(self).__name__} state: expected uint8 arrays (B, 1, L, "
-                f"{w + 2 * s}) and (B, 1, L, {r}), got {shapes}"
+                f"{w}) and (B, 1, L, {r + 2 * s}), got {shapes}"
             )
+        self.keys, self.values = keys, values
+
+    def _from_earlier_layout(self, keys, values, w, s, r):
+        # Keys held [latent | scales | biases], values the RoPE key.
+        del self._earlier_layout
+        if not (isinstance(keys, mx.array) and isinstance(values, mx.array)) or (
+            keys.shape[-1], values.shape[-1]) != (w + 2 * s, r):
+            return keys, values  # named by the shape check
+        return keys[..., :w], mx.concatenate([values, keys[..., w:]], axis=-1)
 
 
 class QuantizedLatentCache(_PackedLatent, KVCache):

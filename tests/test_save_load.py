@@ -81,7 +81,7 @@ def test_tampered_state_gives_a_clear_error(installed, tmp_path):
     arrays["0.1"] = arrays["0.1"][:, :, :5]  # rope key of layer 0 cut short
     meta = {k: v for k, v in meta.items() if CHECKSUM not in k}  # as stock saves it
     mx.save_safetensors(path, arrays, meta)
-    with pytest.raises(ValueError, match=r"QuantizedLatentCache state: expected uint8 arrays \(B, 1, L, 48\) and \(B, 1, L, 64\), got"):
+    with pytest.raises(ValueError, match=r"QuantizedLatentCache state: expected uint8 arrays \(B, 1, L, 32\) and \(B, 1, L, 80\), got"):
         cache_module.load_prompt_cache(path)
 
 
@@ -140,3 +140,27 @@ def test_plain_file_marked_quantized_names_the_missing_format(installed, tmp_pat
     mx.save_safetensors(path, arrays, {k: v for k, v in meta.items() if CHECKSUM not in k})
     with pytest.raises(ValueError, match="QuantizedLatentCache: no quantization format"):
         cache_module.load_prompt_cache(path)
+
+
+def earlier_layout(cache):
+    """The arrays and format text the previous layout saved for a quantized
+    cache: keys [packed latent | scales | biases], values the RoPE key."""
+    (w, s, r), fmt = cache._sizes(), ",".join(map(str, cache._format))
+    keys, values, *rest = cache.state[:-1] if not hasattr(cache, "meta_state") else cache.state
+    return (mx.concatenate([keys, values[..., r:]], axis=-1), values[..., :r], *rest), fmt
+
+
+def test_a_cache_saved_by_the_earlier_layout_loads_and_continues_exactly(installed):
+    from mlx_lm_mla import QuantizedLatentCache
+
+    model, _ = tiny.build_model("glm4_moe_lite")
+    cache = prefilled(model, bits=4)
+    restored = []
+    for c in cache:
+        arrays, fmt = earlier_layout(c)
+        if hasattr(c, "meta_state"):  # mlx-lm 0.31: the format ends the meta_state
+            restored.append(QuantizedLatentCache.from_state(arrays, tuple(c.meta_state[:-1]) + (fmt,)))
+        else:
+            restored.append(QuantizedLatentCache.from_state(arrays + (fmt,)))
+    assert [c.keys.shape[-1] for c in restored] == [c.keys.shape[-1] for c in cache]
+    assert mx.array_equal(continue_from(model, restored), continue_from(model, cache))
