@@ -321,8 +321,11 @@ def install_layer(layer: Path):
                 if not path.exists():
                     created.append(path)
                 tmp = path.with_name(path.name + ".tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
+                try:
+                    tmp.write_bytes(data)
+                    os.replace(tmp, path)  # a reader never sees half a file
+                finally:
+                    tmp.unlink(missing_ok=True)
                 if path.suffix == ".py":  # stale bytecode of an older version
                     for pyc in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
                         pyc.unlink()
@@ -332,7 +335,6 @@ def install_layer(layer: Path):
         except OSError as e:
             for path in created:
                 path.unlink(missing_ok=True)
-                path.with_name(path.name + ".tmp").unlink(missing_ok=True)
             for path, data in saved.items():
                 path.parent.mkdir(exist_ok=True)
                 path.write_bytes(data)

@@ -20,6 +20,7 @@ The layout, built once for the module:
 The app layer's interpreter runs isolated (``python -I``), as LM Studio's does.
 """
 
+import compileall
 import hashlib
 import json
 import os
@@ -110,6 +111,7 @@ def app_layer(layer: Path, runtime: Path, framework: Path):
         f"addsitedir({str(site(framework))!r})\n"
         f"addsitedir({str(site(runtime))!r})\n"
     )
+    compileall.compile_dir(layer / "lib", quiet=1)  # as venvstacks does at deployment
 
 
 def metadata_only_layer(layer: Path, mlx_lm_version: str):
@@ -427,6 +429,22 @@ def test_an_unwritable_layer_is_refused(layout, cli):
             (site(layout.app) / "probe").write_bytes(b"")
         code, _, err = cli("install")
     assert code == 1 and f"cannot write to {site(layout.app)}" in err and "nothing written" in err
+    assert tree(layout.app) == before
+
+
+def test_a_write_that_fails_midway_leaves_the_layer_as_it_was(layout, cli, monkeypatch):
+    before = tree(layout.app)
+    replace, calls = os.replace, []
+
+    def full_disk(source, target):
+        calls.append(target)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        replace(source, target)
+
+    monkeypatch.setattr(lmstudio.os, "replace", full_disk)
+    code, out, err = cli("install")
+    assert code == 1 and out == "" and "No space left on device" in err and "as it was" in err
     assert tree(layout.app) == before
 
 
