@@ -39,7 +39,7 @@ setup(
     license="MIT",
     packages=["mlx_lm_mla"],
     python_requires=">=3.10",
-    install_requires=[MLX_LM.format(extra=""), "tokenizers"],
+    install_requires=[MLX_LM.format(extra=""), "tokenizers", "packaging"],  # packaging: lmstudio.py
     extras_require={
         "cpu": [MLX_LM.format(extra="[cpu]")],
         "cuda12": [MLX_LM.format(extra="[cuda12]")],

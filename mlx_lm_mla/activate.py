@@ -37,9 +37,14 @@ def _activate():
     try:
         from .patch import install
 
-        install()
+        patched = install()
     except Exception as e:  # never break the user's import of mlx_lm
         warnings.warn(f"mlx-lm-mla could not activate: {e!r}", RuntimeWarning)
+    else:  # logging is loaded by now (mlx_lm imports it); not at start-up
+        from logging import getLogger
+        from . import __version__
+
+        getLogger("mlx_lm_mla").info("mlx-lm-mla %s active (%d patches)", __version__, len(patched))
 
 
 def run_server():

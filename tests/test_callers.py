@@ -4,8 +4,9 @@ Both engine builds (the old one on mlx-lm 0.31.2-dev and mlx 0.31.1, the
 current one on mlx-lm 0.31.3-dev and mlx 0.32.0) drive mlx-lm through public
 calls only: ``make_prompt_cache(model, max_kv_size)``, a common-prefix
 ``trim_prompt_cache``, a chunked prefill that quantizes a *copy* of the cache
-list, ``generate_step``, ``BatchGenerator`` with ``mx.array`` filters, and a
-disk cache that records each layer by class name. Each replay runs with and
+list, ``generate_step`` (that sequential path is ``engine_sequence.py``),
+``BatchGenerator`` with ``mx.array`` filters, and a disk cache that records
+each layer by class name. Each replay runs with and
 without a window and with and without kv_bits, as the engines do (they drop
 the window whenever kv_bits is set, but the window quantizes here too).
 """
@@ -13,80 +14,24 @@ the window whenever kv_bits is set, but the window quantizes here too).
 import mlx.core as mx
 import pytest
 import mlx_lm.models.cache as cache_module
-from mlx_lm.generate import (
-    BatchGenerator,
-    GenerationBatch,
-    generate_step,
-    maybe_quantize_kv_cache,
-)
-from mlx_lm.models.cache import (
-    KVCache,
-    RotatingKVCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_lm_mla
 from mlx_lm_mla import tiny
 
+from engine_sequence import SequentialEngine, chat
 from test_batching import drain, serve_settings
 
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
 WINDOW = 48
-START = 32  # quantized_kv_start
-CHUNK = 16  # prefill step
 SETTINGS = [(None, None), (WINDOW, None), (None, 4), (WINDOW, 4)]
 IDS = ["plain", "window", "kv_bits", "window+kv_bits"]
-
-HISTORY = [(3 * i + 11) % 190 + 5 for i in range(30)]
-
-
-def chat(n):
-    """A growing chat: each request repeats the last one and adds a turn."""
-    return [HISTORY + [(7 * r + j) % 190 + 5 for r in range(k + 1) for j in range(5)] for k in range(n)]
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny.build_model("glm4_moe_lite", **WIDE)[0]
-
-
-class SequentialEngine:
-    """What the engine's sequential path does for each request."""
-
-    def __init__(self, model, window, bits):
-        self.model, self.window, self.bits = model, window, bits
-        self.cache = make_prompt_cache(model, window)
-        self.tokens = []
-
-    def quantize(self, caches):
-        maybe_quantize_kv_cache(caches, START, 64, self.bits)
-
-    def request(self, prompt, max_tokens=6):
-        common = 0
-        while common < min(len(self.tokens), len(prompt) - 1) and self.tokens[common] == prompt[common]:
-            common += 1
-        held = self.cache[0].offset
-        if held > common and not (
-            can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, held - common)
-        ):
-            self.cache, common = make_prompt_cache(self.model, self.window), 0
-        rest = prompt[common:]
-        while len(rest) > CHUNK:
-            self.model(mx.array([rest[:CHUNK]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.quantize(list(self.cache))  # a copy of the list, as the engine does
-            rest = rest[CHUNK:]
-        out = [
-            t
-            for t, _ in generate_step(
-                mx.array(rest), self.model, prompt_cache=self.cache, max_tokens=max_tokens,
-                kv_bits=self.bits, kv_group_size=64, quantized_kv_start=START,
-            )
-        ]
-        self.tokens = (prompt + out)[: self.cache[0].offset]
-        return out
 
 
 def replay(model, window, bits, n=6):

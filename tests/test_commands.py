@@ -25,7 +25,8 @@ def test_serve_takes_mlx_lm_server_flags():
 
 def test_unknown_command_prints_usage():
     out = run("frobnicate")
-    assert out.returncode == 2 and "usage: mlx-lm-mla {repro,serve,upstream-patch}" in out.stderr
+    usage = "usage: mlx-lm-mla {repro,serve,upstream-patch,lmstudio}"
+    assert out.returncode == 2 and usage in out.stderr
 
 
 def test_repro_shows_stock_failing_and_the_fix_serving():
