@@ -163,6 +163,8 @@ class _PackedLatent:
 
     def _check_bytes(self):
         (w, s, r), keys, values = self._sizes(), self.keys, self.values
+        if keys is None and values is None:  # an empty cache: nothing stored yet
+            return
         if getattr(self, "_earlier_layout", False):
             keys, values = self._from_earlier_layout(keys, values, w, s, r)
         shapes = [getattr(x, "shape", type(x).__name__) for x in (keys, values)]
