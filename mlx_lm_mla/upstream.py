@@ -20,6 +20,7 @@ refused by name.
 """
 
 import argparse
+import difflib
 import re
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ HERE = Path(__file__).parent
 MARKER = "# --- upstream: "
 SIGNATURE = "class LatentKVCache("  # present once the tree is patched
 OLDEST = Version("0.32.0")  # state without meta_state; older trees are refused
+BUDGET = {"mlx_lm": 250, "tests": 200}  # added lines the change may take, blank ones too
 
 MAKE_PROMPT_CACHE = (
     (
@@ -71,6 +73,22 @@ INDEXER_NOTE = "# The indexer's keys stay exact: they pick the tokens attended.\
 
 class UnknownTree(ValueError):
     pass
+
+
+def applies(version):
+    """Whether upstream-patch writes the change for this mlx-lm version."""
+    return Version(str(version)) >= OLDEST
+
+
+def added_lines(original, patched, under):
+    """Lines added to the .py files under ``under`` (blank lines counted)."""
+    added = 0
+    for new in sorted((Path(patched) / under).rglob("*.py")):
+        old = Path(original) / new.relative_to(patched)
+        a = old.read_text(encoding="utf-8").splitlines() if old.exists() else []
+        diff = difflib.unified_diff(a, new.read_text(encoding="utf-8").splitlines(), lineterm="", n=0)
+        added += sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
+    return added
 
 
 def sections(name):
@@ -190,7 +208,7 @@ def check_tree(root):
     if SIGNATURE in text:
         raise UnknownTree(f"{root} is patched already ({cache} has {SIGNATURE!r})")
     version = _version(root)
-    if version is None or version < OLDEST:
+    if version is None or not applies(version):
         raise UnknownTree(
             f"{root} is mlx-lm {version}: upstream-patch writes the change for mlx-lm "
             f"{OLDEST.major}.{OLDEST.minor} and later (0.31's caches have a meta_state)"

@@ -142,9 +142,11 @@ class LatentCacheList(CacheList):
         quantize = (LatentKVCache, RotatingKVCache)
         return LatentCacheList(
             *(
-                c.to_quantized(group_size=group_size, bits=bits)
-                if isinstance(c, quantize)
-                else c
+                (
+                    c.to_quantized(group_size=group_size, bits=bits)
+                    if isinstance(c, quantize)
+                    else c
+                )
                 for c in self.caches
             )
         )

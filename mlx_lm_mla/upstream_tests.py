@@ -60,7 +60,6 @@ class TestLatentKVCache(unittest.TestCase):
     def test_trim_quantized_latent_cache(self):
         qcache = QuantizedLatentKVCache(group_size=32, bits=8)
         _, rope, _ = self.update(qcache, 300)
-        self.assertTrue(qcache.is_trimmable())
         self.assertEqual(qcache.trim(4), 4)
         _, new_rope, (k, v) = self.update(qcache, 2)
         self.assertEqual(qcache.offset, 298)
@@ -82,7 +81,9 @@ class TestLatentKVCache(unittest.TestCase):
             # Both continue the same
             c, lc = getattr(c, "caches", [c])[0], getattr(lc, "caches", [lc])[0]
             latent, rope = mx.ones((1, 1, 1, 64)), mx.ones((1, 1, 1, 16))
-            for x, y in zip(c.update_and_fetch(latent, rope), lc.update_and_fetch(latent, rope)):
+            for x, y in zip(
+                c.update_and_fetch(latent, rope), lc.update_and_fetch(latent, rope)
+            ):
                 self.assertTrue(mx.array_equal(x, y))
 
     def test_latent_cache_list_to_quantized(self):
@@ -161,21 +162,11 @@ class TestLatentModels(unittest.TestCase):
         "emb_neighbor_num": 2,
         "emb_split_num": 2,
     }
-    MODEL_TYPES = [
-        "bailing_hybrid",
-        "bailing_moe_v3",
-        "deepseek_v3",
-        "deepseek_v32",
-        "glm4_moe_lite",
-        "glm_moe_dsa",
-        "kimi_k25",
-        "kimi_k3",
-        "kimi_linear",
-        "kimi_vl",
-        "longcat_flash",
-        "longcat_flash_ngram",
-        "mistral4",
-    ]
+    MODEL_TYPES = (
+        "bailing_hybrid bailing_moe_v3 deepseek_v3 deepseek_v32 glm4_moe_lite "
+        "glm_moe_dsa kimi_k25 kimi_k3 kimi_linear kimi_vl longcat_flash "
+        "longcat_flash_ngram mistral4"
+    ).split()
     PROMPT = mx.array([[5, 17, 3, 99, 42, 8, 61, 23, 77, 14, 2, 90]])
 
     def models(self):
@@ -200,11 +191,16 @@ class TestLatentModels(unittest.TestCase):
                     cache = make_prompt_cache(model)
                     model(self.PROMPT[:, :8], cache=cache)
                     maybe_quantize_kv_cache(cache, 0, 32, bits)
-                    steps = [model(self.PROMPT[:, i : i + 1], cache=cache) for i in range(8, 12)]
+                    steps = [
+                        model(self.PROMPT[:, i : i + 1], cache=cache)
+                        for i in range(8, 12)
+                    ]
                     logits.append(mx.concatenate(steps, axis=1))
                 caches = self.layer_caches(cache)
                 self.assertFalse(any(isinstance(c, LatentKVCache) for c in caches))
-                self.assertTrue(any(isinstance(c, QuantizedLatentKVCache) for c in caches))
+                self.assertTrue(
+                    any(isinstance(c, QuantizedLatentKVCache) for c in caches)
+                )
                 self.assertTrue(mx.allclose(logits[0], logits[1], atol=0.05))
 
     def test_mla_models_honour_max_kv_size(self):
