@@ -137,9 +137,12 @@ class LatentCacheList(CacheList):
         return self.caches[0].offset
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        # Other members stay exact: the DSA indexer's keys pick the tokens
-        # attended, and quantizing them could change which.
+        # The latents quantize and a window refuses, as for any model. Other
+        # members stay exact: the DSA indexer's keys pick the tokens attended,
+        # and quantizing them could change which.
         quantize = (LatentKVCache, RotatingKVCache)
+        if not any(isinstance(c, quantize) for c in self.caches):
+            return self
         return LatentCacheList(
             *(
                 (
