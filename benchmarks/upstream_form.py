@@ -6,8 +6,9 @@ be run side by side:
     MLX_LM_MLA_DISABLE=1 PYTHONPATH=tree python benchmarks/upstream_form.py
 
 - the reported failure: every MLA model (tiny random weights, the real
-  architecture) serves 6 requests reusing one cache with kv_bits 4 and
-  quantized_kv_start 48, and the cache's bytes against the unquantized one;
+  architecture) serves 6 requests with kv_bits 4, each crossing
+  quantized_kv_start 48, and its cache's bytes against the unquantized one
+  (``tests/upstream_form`` checks the reuse of one cache across requests);
 - the window: the most tokens a layer holds (of 160) with
   ``make_prompt_cache(model, max_kv_size=64)``;
 - fidelity: max |logit difference| against the unquantized cache over 24
