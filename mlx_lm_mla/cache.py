@@ -6,17 +6,15 @@ latent ``(B, 1, L, kv_lora_rank)`` in the keys slot and the RoPE key
 caches serve them well; only quantization goes wrong, since
 ``QuantizedKVCache`` hands the model lists where it expects arrays.
 
-Everything below the marker line is the upstream form of the fix: the
-``upstream-patch`` command appends it, as it is, to ``mlx_lm/models/cache.py``.
+The caches here subclass stock's, so other programs that know stock's class
+names keep working; ``hooks.py`` turns a stock cache into one of them in
+place. The upstream form of the fix is its own code (``upstream_cache.py``).
 """
 
 import copy
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
-
-# --- upstream: appended to mlx_lm/models/cache.py by upstream-patch ---
-
 
 def _one_head(cache):
     # The structure every MLA latent cache has: one head, non-zero widths.
@@ -248,41 +246,6 @@ def _same_format(caches, op):
     return formats.pop()
 
 
-class LatentKVCache(KVCache):
-    """The cache an MLA model makes: a ``KVCache`` that quantizes its latent
-    in place."""
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        return quantize_latent(self, group_size, bits)
-
-    @classmethod
-    def merge(cls, caches):
-        return BatchLatentKVCache.merge(caches)
-
-
-class BatchLatentKVCache(BatchKVCache):
-    """The batch of ``LatentKVCache``s."""
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        return quantize_latent(self, group_size, bits)
-
-    def extend(self, other):
-        extend_latent(self, other, super().extend)
-
-    def extract(self, idx):
-        cache = super().extract(idx)
-        cache.__class__ = LatentKVCache
-        return cache
-
-    @classmethod
-    def merge(cls, caches):
-        if any(isinstance(c, _PackedLatent) for c in caches):
-            return BatchQuantizedLatentCache.merge(caches)
-        batch = super().merge(caches)
-        batch.__class__ = cls
-        return batch
-
-
 def extend_latent(batch, other, extend):
     """A batch that takes quantized rows is quantized first."""
     if isinstance(other, _PackedLatent):
@@ -294,9 +257,7 @@ def extend_latent(batch, other, extend):
 # Which quantized class each cache class turns into.
 QUANTIZED_LATENT = {
     KVCache: QuantizedLatentCache,
-    LatentKVCache: QuantizedLatentCache,
     BatchKVCache: BatchQuantizedLatentCache,
-    BatchLatentKVCache: BatchQuantizedLatentCache,
 }
 
 

@@ -3,8 +3,8 @@ latent.
 
 Stock mlx-lm cannot quantize a ``RotatingKVCache`` at all. An MLA layer's
 window can: the base class rotates the latent's bytes like any keys, so the
-window keeps its size. Not part of the upstream change, since upstream's MLA
-models make their own caches and never get a rotating one.
+window keeps its size. Run time only: the upstream form refuses to quantize
+a window, as stock does for every model.
 """
 
 from mlx_lm.models.cache import RotatingKVCache
