@@ -138,7 +138,8 @@ def single_rows(shape, n, args, dtype):
             lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
         )
         name = f"QuantizedLatentCache {bits}-bit" if bits else f"KVCache {args.dtype} (stock)"
-        rows.append(row(name, nb, held, floor, note="keys=latent, values=rope"))
+        note = "keys=packed latent, values=rope+scales+biases" if bits else "keys=latent, values=rope"
+        rows.append(row(name, nb, held, floor, note=note))
 
     floor = floor_bytes(shape, dbytes)
     per_tok = expanded_bytes(shape, dbytes)
