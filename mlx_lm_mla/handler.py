@@ -166,9 +166,11 @@ def bad_request_status(original):
     return _set_completion_headers
 
 
-def utf8_body(original):
-    """``APIHandler.do_POST`` that answers a body that is not UTF-8 with 400;
-    upstream's decode error closes the connection with no reply."""
+def bad_body_status(original):
+    """``APIHandler.do_POST`` that answers a body it cannot read with 400:
+    one that is not UTF-8 (upstream's decode error closes the connection
+    with no reply), and, on mlx-lm 0.31, a field its own checks refuse
+    (there ``validate_model_parameters`` raises out of ``do_POST``)."""
 
     def do_POST(self):
         try:
@@ -180,6 +182,8 @@ def utf8_body(original):
                 f"request body is not valid UTF-8: {e}",
                 "invalid_request_error",
             )
+        except ValueError as e:
+            _reply(self, 400, str(e), "invalid_request_error")
 
     do_POST.mlx_lm_mla_original = original
     return do_POST

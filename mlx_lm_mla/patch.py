@@ -173,7 +173,7 @@ def _install_server(server):
     api = _owner(server, "APIHandler")
     _wrap(api, "handle_completion", handler.guarded_completion)
     _wrap(api, "_set_completion_headers", handler.bad_request_status)
-    _wrap(api, "do_POST", handler.utf8_body)
+    _wrap(api, "do_POST", handler.bad_body_status)
     generator = _owner(server, "ResponseGenerator")
     _wrap(generator, "_is_batchable", hooks.batchable_with_kv_bits)
     _wrap(generator, "_tokenize", lambda f: handler.checked_tokenize(f, server))
