@@ -199,10 +199,16 @@ class RowProcessor:
 
 
 def guarded_make_sampler(original):
-    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row."""
+    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row.
+    A sampler the builder hands every request alike (greedy) is left as it
+    is: the batch samples all its rows in one call, as upstream, and holds
+    nothing of one request that could fail."""
 
     def _make_sampler(args, tokenizer):
-        return RowSampler(original(args, tokenizer), args)
+        sampler = original(args, tokenizer)
+        if original(args, tokenizer) is sampler:
+            return sampler
+        return RowSampler(sampler, args)
 
     _make_sampler.mlx_lm_mla_original = original
     return _make_sampler

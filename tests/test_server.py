@@ -28,8 +28,11 @@ from serving import (
 )
 
 NAN, INF = float("nan"), float("inf")
-# Streams whose greedy texts differ from each other and run to max_tokens.
+# Streams whose texts differ from each other and run to max_tokens.
 DISTINCT = {"presence_penalty": 2.0, "logit_bias": {"1": -100}}
+# A sampler of the request's own that samples as greedy does (greedy itself
+# is one sampler shared by every row of a batch).
+OWN_SAMPLER = {"temperature": 1e-4}
 
 KV_BITS = [4, 8] if server_supports("--kv-bits") else []
 START = 64  # --quantized-kv-start, crossed by every request below
@@ -168,7 +171,7 @@ def fresh(model_path):
     """What a fresh server answers: three streams alone, and the requests
     a failure must not change (greedy, sampled, seeded; streamed and not)."""
     with Server(model_path, "--decode-concurrency", 4) as server:
-        solo = [server.chat(q, max_tokens=60, **DISTINCT)[0] for q in questions(3)]
+        solo = [server.chat(q, max_tokens=60, **DISTINCT, **OWN_SAMPLER)[0] for q in questions(3)]
         return {"solo": solo, "served": served_as_fresh(server, questions(2))}
 
 
@@ -192,7 +195,7 @@ def test_after_a_refused_sampling_value_the_next_requests_are_served_as_on_a_fre
 def test_a_request_whose_sampler_fails_in_a_batch_ends_alone_and_the_others_decode_as_alone(model_path, fresh):
     env = {"MLX_LM_MLA_FAULT": "sample:40"}  # one row's sampler, ~13 steps in
     with Server(model_path, "--decode-concurrency", 4, env=env) as server:
-        streams = [Stream(server, q, max_tokens=60, **DISTINCT) for q in questions(3)]
+        streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
         for s in streams:
             s.start()
         for s in streams:
