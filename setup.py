@@ -39,7 +39,8 @@ setup(
     license="MIT",
     packages=["mlx_lm_mla"],
     python_requires=">=3.10",
-    install_requires=[MLX_LM.format(extra=""), "tokenizers", "packaging"],  # packaging: lmstudio.py
+    # packaging reads versions (patch.py, lmstudio.py), safetensors checks cache files (files.py)
+    install_requires=[MLX_LM.format(extra=""), "tokenizers", "packaging", "safetensors"],
     extras_require={
         "cpu": [MLX_LM.format(extra="[cpu]")],
         "cuda12": [MLX_LM.format(extra="[cuda12]")],

@@ -7,10 +7,18 @@ hook calls ``mlx_lm_mla.install()``. So ``python -m mlx_lm.server``,
 ``mlx_lm.generate`` and servers that import ``mlx_lm`` get the fix with no
 change to their code. ``MLX_LM_MLA_DISABLE=1`` turns it off.
 
+The server's guards wait for ``mlx_lm.server`` itself: when it finishes
+importing, the hook applies them (``patch.server_imported``), so a program
+that never imports the server does not load it.
+
 ``python -m mlx_lm.server`` needs one more step: runpy would execute the
 server's source as ``__main__``, a copy of the module that install() never
 sees, so for that one module the hook hands runpy code that imports
 ``mlx_lm.server`` and calls its ``main()``.
+
+Activation works in any import order: when ``mlx_lm`` is first imported by
+``mlx_lm_mla.patch`` itself (``import mlx_lm_mla; mlx_lm_mla.install()``),
+install() does not exist yet, and patch.py calls it as its import ends.
 """
 
 import os
@@ -22,6 +30,8 @@ TARGET = "mlx_lm"
 # whose classes install() cannot reach; the hook runs the imported module instead.
 SERVER = "mlx_lm.server"
 RUN_SERVER = "import mlx_lm_mla.activate as a; a.run_server()"
+PATCH = "mlx_lm_mla.patch"
+_deferred = []
 
 
 def disabled() -> bool:
@@ -33,7 +43,16 @@ def disabled() -> bool:
     )
 
 
+def deferred():
+    """True once, if activation waited for patch.py to finish importing."""
+    return bool(_deferred and _deferred.pop())
+
+
 def _activate():
+    patch = sys.modules.get(PATCH)
+    if patch is not None and not hasattr(patch, "install"):
+        _deferred.append(True)  # patch.py is importing mlx_lm: it activates
+        return
     try:
         from .patch import install
 
@@ -45,6 +64,18 @@ def _activate():
         from . import __version__
 
         getLogger("mlx_lm_mla").info("mlx-lm-mla %s active (%d patches)", __version__, len(patched))
+
+
+def _server_imported(module):
+    # The server's guards, once install() has run (it always has when the
+    # hook is on: importing mlx_lm.server imports mlx_lm first).
+    patch = sys.modules.get(PATCH)
+    if patch is None or not hasattr(patch, "server_imported"):
+        return
+    try:
+        patch.server_imported(module)
+    except Exception as e:  # never break the user's import of mlx_lm.server
+        warnings.warn(f"mlx-lm-mla could not guard mlx_lm.server: {e!r}", RuntimeWarning)
 
 
 def run_server():
@@ -67,6 +98,8 @@ class _Loader:
         self._loader.exec_module(module)
         if self._name == TARGET:
             _activate()
+        elif self._name == SERVER:
+            _server_imported(module)
 
     def get_code(self, name):
         # Only runpy asks for the code of mlx_lm.server (imports use exec_module).
@@ -96,11 +129,17 @@ class _AfterImport:
         return spec
 
 
+def hook():
+    """Puts the import hook in place (once)."""
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
 def watch():
     """Activates when ``mlx_lm`` is imported (now, if it already is)."""
     if disabled():
         return
     if TARGET in sys.modules:
         _activate()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    else:
+        hook()

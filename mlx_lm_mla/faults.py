@@ -3,9 +3,12 @@
 ``MLX_LM_MLA_FAULT=point:n`` makes the n-th call of ``point`` in the process
 raise ``InjectedFault`` (once). Points are the latent cache operations
 (``update_and_fetch``, ``trim``, ``merge``, ``extract``, ``filter``,
-``extend``, ``to_quantized``), ``prefill`` (an update of more than one token)
-and ``decode`` (an update of one token). Tests use it to check that a failing
-request ends with a clear error and leaves nothing behind.
+``extend``, ``to_quantized``), ``prefill`` (an update of more than one token),
+``decode`` (an update of one token) and ``sample`` (one request's sampler in
+a generation step; it fails inside a function compiled with
+``mx.random.state`` as input and output, as a failing mlx-lm sampler does).
+Tests use it to check that a failing request ends with a clear error and
+leaves nothing behind.
 """
 
 import functools
@@ -22,6 +25,7 @@ POINTS = (
     "filter",
     "extend",
     "to_quantized",
+    "sample",
 )
 
 
@@ -69,6 +73,24 @@ def wrap(function, name, trigger):
                 args[1].shape[2] if len(args) > 1 and hasattr(args[1], "shape") else 1
             )
             trigger.hit("prefill" if length > 1 else "decode")
+        return function(*args, **kwargs)
+
+    return faulty
+
+
+def wrap_traced(function, name, trigger):
+    """function, raising at the trigger's point first, from inside a traced
+    function that captures ``mx.random.state``: the failure leaves the
+    random state holding an array that was never computed."""
+    import mlx.core as mx
+
+    @functools.wraps(function)
+    def faulty(*args, **kwargs):
+        def body(x):  # a new function each call, so it is traced each call
+            trigger.hit(name)
+            return x
+
+        mx.compile(body, inputs=mx.random.state, outputs=mx.random.state)(mx.array(0))
         return function(*args, **kwargs)
 
     return faulty

@@ -2,8 +2,11 @@
 with a clear error instead of poisoning later requests."""
 
 import logging
+import sys
 import threading
 import time
+
+from . import sampling
 
 logger = logging.getLogger(__name__)
 
@@ -175,17 +178,35 @@ def _inflight(generator):
 
 def tracked_next_request(original):
     """``ResponseGenerator._next_request`` that remembers which requests are
-    open, so they can be answered if the generation loop fails."""
+    open, so they can be answered if the generation loop fails, and ends a
+    request whose own sampling failed in a batch step (see sampling.py):
+    its next reply is replaced by the error, its context is stopped so the
+    server drops its row, and nothing more is sent to it."""
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
         if request is not None:
-            rqueue, body, open_requests = request[0], request[1], _inflight(self)
+            rqueue, body, args = request[0], request[1], request[2]
+            open_requests = _inflight(self)
             open_requests.add(rqueue)
             put = rqueue.put
+            context = getattr(sys.modules.get(type(self).__module__), "GenerationContext", ())
+            held = {"ctx": None, "answered": False}
 
-            def put_and_track(item, *args, **kwargs):
-                put(item, *args, **kwargs)
+            def put_and_track(item, *args_, **kwargs):
+                if held["answered"]:
+                    if item is None:
+                        _ended(body)
+                    return
+                if isinstance(item, context):
+                    held["ctx"] = item
+                elif not isinstance(item, Exception) and sampling.failure(args):
+                    error = sampling.failure(args)
+                    item = RuntimeError(f"sampling failed: {type(error).__name__}: {error}")
+                    held["answered"] = True
+                    if held["ctx"] is not None:
+                        held["ctx"].stop()  # the server removes the row
+                put(item, *args_, **kwargs)
                 if item is None:
                     _ended(body)
                 if item is None or isinstance(item, Exception):
@@ -196,6 +217,16 @@ def tracked_next_request(original):
 
     _next_request.mlx_lm_mla_original = original
     return _next_request
+
+
+def _restore_after_failure():
+    """What a failed step can leave behind in the process: a random state
+    that cannot be computed, and this thread's notes on the request being
+    fetched or stored."""
+    if sampling.repair_random():
+        logger.warning("mlx-lm-mla: restored the random state after a failure")
+    _taken.request = None
+    _taken.skip_insert = None
 
 
 def supervised_generate(original):
@@ -216,6 +247,7 @@ def supervised_generate(original):
                 return original(self)
             except Exception as e:
                 logger.exception("mlx-lm-mla: generation failed")
+                _restore_after_failure()
                 error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
                 # With requests open the failure is theirs: answer them, go on.
                 streak = 0 if _inflight(self) else streak + 1

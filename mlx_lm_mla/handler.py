@@ -5,8 +5,10 @@ HTTP status."""
 
 import json
 import logging
+import math
 import sys
 
+from . import sampling
 from .guards import tag_request
 
 logger = logging.getLogger(__name__)
@@ -40,11 +42,28 @@ def request_problem(request, stop_words, logit_bias):
     return None
 
 
-def checked_tokenize(original):
+def non_finite(value, path=""):
+    """The path of the first number in a JSON body that is NaN or infinite
+    (Python's json reads ``NaN`` and ``Infinity``), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "body"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = non_finite(item, inner)
+        if found:
+            return found
+    return None
+
+
+def checked_tokenize(original, server):
     """``ResponseGenerator._tokenize`` that refuses, before the request joins
-    a batch, what needs the model to see: a prompt of no tokens, and
+    a batch, what needs the model to see: a prompt of no tokens,
     ``logit_bias`` ids outside the vocabulary (upstream applies them to
-    whatever memory they point at)."""
+    whatever memory they point at), and sampling arguments that the
+    server's own sampler and logits processors cannot run with, found by
+    running them once on one row of the model's vocabulary (in the
+    generation thread, whose random state the run leaves as it was)."""
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
@@ -56,6 +75,17 @@ def checked_tokenize(original):
             raise BadRequest(
                 f"logit_bias token id {max(bias)} is outside the vocabulary (0..{size - 1})"
             )
+        if size:
+            problem = sampling.sampling_problem(
+                sampling.unguarded(server._make_sampler),
+                sampling.unguarded(server._make_logits_processors),
+                tokenizer,
+                args,
+                size,
+                result[0],
+            )
+            if problem:
+                raise BadRequest(problem)
         return result
 
     _tokenize.mlx_lm_mla_original = original
@@ -97,6 +127,9 @@ def guarded_completion(original):
         problem = request_problem(
             request, stop_words, getattr(self, "logit_bias", None)
         )
+        where = non_finite(getattr(self, "body", None))
+        if where:
+            problem = f"{where} must be a finite number, not NaN or infinity"
         if problem:
             return _reply(self, 400, problem, "invalid_request_error")
         tag_request(request, getattr(self, "body", None))
@@ -133,9 +166,11 @@ def bad_request_status(original):
     return _set_completion_headers
 
 
-def utf8_body(original):
-    """``APIHandler.do_POST`` that answers a body that is not UTF-8 with 400;
-    upstream's decode error closes the connection with no reply."""
+def bad_body_status(original):
+    """``APIHandler.do_POST`` that answers a body it cannot read with 400:
+    one that is not UTF-8 (upstream's decode error closes the connection
+    with no reply), and, on mlx-lm 0.31, a field its own checks refuse
+    (there ``validate_model_parameters`` raises out of ``do_POST``)."""
 
     def do_POST(self):
         try:
@@ -147,6 +182,8 @@ def utf8_body(original):
                 f"request body is not valid UTF-8: {e}",
                 "invalid_request_error",
             )
+        except ValueError as e:
+            _reply(self, 400, str(e), "invalid_request_error")
 
     do_POST.mlx_lm_mla_original = original
     return do_POST

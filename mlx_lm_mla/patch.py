@@ -3,8 +3,11 @@
 ``install()`` wires the MLA caches and the reuse guards into the installed
 mlx-lm and returns what it patched; calling it again changes nothing.
 ``uninstall()`` puts every original back. A patch is applied only where the
-code it replaces is there, and outside the tested mlx-lm range a warning
-says so once.
+code it replaces is there; ``missing()`` names each one whose target is
+gone, and a warning says so once, as it does outside the tested mlx-lm
+range. The server's guards are applied when ``mlx_lm.server`` is imported
+(``server_imported``), so a program that never imports it (LM Studio's
+engine, ``mlx_lm.generate``) does not load it.
 """
 
 import importlib
@@ -12,13 +15,17 @@ import sys
 import types
 import warnings
 
+from packaging.version import Version
+
 from . import (
+    activate,
     faults,
     files,
     guards,
     handler,
     hooks,
     latent,
+    sampling,
     window,
 )  # noqa: F401 (window registers its class)
 from .cache import QUANTIZED_LATENT
@@ -27,17 +34,16 @@ from .cache import QUANTIZED_LATENT
 SUPPORTED_MLX_LM = ((0, 31, 2), (0, 33, 0))
 
 _applied = []  # (owner, name, had_own_value, old_value, label), in order
+_missing = []  # labels of the patches whose target this mlx-lm lacks
+_server = []  # the mlx_lm.server module once its guards are applied
 _warned = False
+_warned_missing = set()
 
 
 def mlx_lm_version():
     import mlx_lm
 
-    parts = []
-    for piece in mlx_lm.__version__.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits))
-    return tuple(parts + [0] * (3 - len(parts)))
+    return (Version(mlx_lm.__version__).release + (0, 0, 0))[:3]
 
 
 def is_supported() -> bool:
@@ -48,6 +54,37 @@ def is_supported() -> bool:
 def installed():
     """Labels of the patches in force."""
     return [p[-1] for p in _applied]
+
+
+def missing():
+    """Labels of the patches that could not be applied: their target is not
+    in this mlx-lm (renamed or removed upstream)."""
+    return list(_missing)
+
+
+def _miss(label):
+    if label not in _missing:
+        _missing.append(label)
+
+
+def _warn_missing():
+    new = [label for label in _missing if label not in _warned_missing]
+    if new:
+        _warned_missing.update(new)
+        warnings.warn(
+            f"mlx-lm-mla could not apply {len(new)} patch(es), their targets are "
+            f"not in this mlx-lm: {', '.join(new)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _owner(module, name):
+    """module.name, or None (named in missing()) if this mlx-lm lacks it."""
+    found = getattr(module, name, None)
+    if found is None:
+        _miss(f"{module.__name__}.{name}")
+    return found
 
 
 def _label(owner, name):
@@ -63,9 +100,12 @@ def _set(owner, name, value):
 
 
 def _wrap(owner, name, wrapper):
-    """Replaces owner.name by wrapper(owner.name), if owner has it."""
+    """Replaces owner.name by wrapper(owner.name), if owner has it; names it
+    in missing() if not (a missing owner was named already)."""
     if callable(getattr(owner, name, None)):
         _set(owner, name, wrapper(getattr(owner, name)))
+    elif owner is not None:
+        _miss(_label(owner, name))
 
 
 def _wrap_classmethod(owner, name, wrapper):
@@ -74,17 +114,13 @@ def _wrap_classmethod(owner, name, wrapper):
 
 def _install_attention():
     # The caches an MLA attention writes are marked as latent (latent.py).
+    # One whose source does not say which cache it writes is named in missing().
     classes, unreadable = latent.load_attention()
     for cls, member in classes.items():
         _wrap(cls, "__call__", lambda f, m=member: latent.marking_call(f, m))
         latent.ATTENTION[cls] = member
-    if unreadable:
-        warnings.warn(
-            "mlx-lm-mla cannot tell which cache these MLA attention classes "
-            f"write, so their caches follow the shape rule: {', '.join(unreadable)}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    for name in unreadable:
+        _miss(f"{name}.__call__ (the cache it writes)")
 
 
 def _install_caches(cache_module):
@@ -106,15 +142,16 @@ def _install_caches(cache_module):
     _wrap_classmethod(
         cache_module.BatchRotatingKVCache, "merge", hooks.refuse_quantized_merge
     )
-    # mlx_lm.server --kv-bits batches MLA models (see _install_reuse_guards).
+    # mlx_lm.server --kv-bits batches MLA models (see _install_server).
     generate = importlib.import_module("mlx_lm.generate")
-    _wrap(getattr(generate, "BatchGenerator", None), "_next", hooks.quantizing_next)
+    _wrap(_owner(generate, "BatchGenerator"), "_next", hooks.quantizing_next)
 
 
 def _rebind(home, name, wrapper):
     # Wherever mlx-lm bound the function by name (from ... import), too.
     original = getattr(home, name, None)
     if not callable(original):
+        _miss(f"{home.__name__}.{name}")
         return
     replacement = wrapper(original)
     for module_name, module in list(sys.modules.items()):
@@ -133,24 +170,43 @@ def _install_reuse_guards(cache_module):
     generate = importlib.import_module("mlx_lm.generate")
     _rebind(generate, "generate_step", files.checked_generate_step)
 
-    store = getattr(cache_module, "LRUPromptCache", None)
+    store = _owner(cache_module, "LRUPromptCache")
     trie = getattr(store(), "_trie", None) if store is not None else None
     if all(hasattr(trie, f) for f in ("search", "get", "pop")):
         _wrap(store, "fetch_nearest_cache", guards.guarded_fetch)
         _wrap(store, "insert_cache", guards.guarded_insert)
+    elif store is not None:
+        _miss(_label(store, "_trie"))
 
-    server = importlib.import_module("mlx_lm.server")
-    api = getattr(server, "APIHandler", None)
+
+def _install_server(server):
+    # The guards on mlx_lm.server's HTTP side and its generation loop.
+    if _server:
+        return
+    _server.append(server)
+    api = _owner(server, "APIHandler")
     _wrap(api, "handle_completion", handler.guarded_completion)
     _wrap(api, "_set_completion_headers", handler.bad_request_status)
-    _wrap(api, "do_POST", handler.utf8_body)
-    generator = getattr(server, "ResponseGenerator", None)
+    _wrap(api, "do_POST", handler.bad_body_status)
+    generator = _owner(server, "ResponseGenerator")
     _wrap(generator, "_is_batchable", hooks.batchable_with_kv_bits)
-    _wrap(generator, "_tokenize", handler.checked_tokenize)
+    _wrap(generator, "_tokenize", lambda f: handler.checked_tokenize(f, server))
     _wrap(generator, "_tokenize", guards.no_store_tokenize)
+    # The loop is supervised only where the open requests can be tracked.
     if callable(getattr(generator, "_next_request", None)):
         _wrap(generator, "_next_request", guards.tracked_next_request)
         _wrap(generator, "_generate", guards.supervised_generate)
+    elif generator is not None:
+        _miss(_label(generator, "_next_request"))
+    _wrap(server, "_make_sampler", sampling.guarded_make_sampler)
+    _wrap(server, "_make_logits_processors", sampling.guarded_make_logits_processors)
+
+
+def server_imported(server):
+    """The start-up hook calls this once ``mlx_lm.server`` is imported."""
+    if _applied:
+        _install_server(server)
+        _warn_missing()
 
 
 def _install_faults(cache_module):
@@ -176,6 +232,9 @@ def _install_faults(cache_module):
     # Every quantization of a latent, single or batch, goes through this.
     quantize = hooks.quantize_latent
     _set(hooks, "quantize_latent", faults.wrap(quantize, "to_quantized", trigger))
+    # One request's sampler in a server's generation step.
+    run = sampling.RowSampler.run
+    _set(sampling.RowSampler, "run", faults.wrap_traced(run, "sample", trigger))
 
 
 def install():
@@ -204,6 +263,12 @@ def install():
     _install_caches(cache_module)
     _install_reuse_guards(cache_module)
     _install_faults(cache_module)
+    server = sys.modules.get("mlx_lm.server")
+    if server is not None and hasattr(server, "main"):
+        _install_server(server)
+    else:  # applied by the hook when the server is imported, if ever
+        activate.hook()
+    _warn_missing()
     return installed()
 
 
@@ -218,4 +283,12 @@ def uninstall():
         else:
             delattr(owner, name)
         restored.append(label)
+    _missing.clear()
+    _server.clear()
     return restored[::-1]
+
+
+# The start-up hook fired while this module was being imported (its caches
+# import mlx_lm) and could not call install() yet: it is called now.
+if activate.deferred():
+    install()

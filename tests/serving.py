@@ -143,7 +143,7 @@ def _parse(raw, stream):
         data = json.loads(raw)
         if "error" in data:
             raise RequestFailed(str(data["error"]))
-        return data["choices"][0]["message"]["content"], data.get("usage", {})
+        return data["choices"][0]["message"].get("content"), data.get("usage", {})
     text, usage = [], {}
     for line in raw.splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -168,18 +168,21 @@ def questions(n):
     return [f"Question {i}: what does function f{i * 7 % 13}(x) return for x = {i}?" for i in range(n)]
 
 
-def raw_post(port, path, data, timeout=120):
+def raw_post(port, path, data, timeout=120, limit=None):
     """POSTs ``data`` (bytes) and returns the whole raw reply, status lines
-    and headers included, so a malformed reply can be seen as it is."""
+    and headers included, so a malformed reply can be seen as it is. With
+    ``limit``, hangs up after that many bytes (the server stops a stream
+    whose client is gone)."""
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     )
-    chunks = []
+    chunks, size = [], 0
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(head.encode() + data)
-        while chunk := sock.recv(65536):
+        while (limit is None or size < limit) and (chunk := sock.recv(65536)):
             chunks.append(chunk)
+            size += len(chunk)
     return b"".join(chunks)
 
 
@@ -214,3 +217,58 @@ def four_clients(server, per_client, max_tokens):
     for t in threads:
         t.join()
     return served, errors
+
+
+class Stream(threading.Thread):
+    """One streamed chat request in its own thread: ``started`` is set when
+    its first token arrives; then ``text`` or ``error``."""
+
+    def __init__(self, server, user, **extra):
+        super().__init__(daemon=True)
+        self.server, self.user, self.extra = server, user, extra
+        self.started = threading.Event()
+        self.text = self.error = None
+
+    def run(self):
+        body = {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.user}],
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.extra,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.server.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        lines = []
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                for line in response:
+                    lines.append(line.decode())
+                    if line.startswith(b"data: {"):
+                        self.started.set()
+            self.text = _parse("".join(lines), True)[0]
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.started.set()
+
+
+def served_as_fresh(server, prompts):
+    """What the next requests get, the ones a failure must not change:
+    greedy, sampled without a seed, sampled with a seed, each streamed and
+    not. An unseeded sampled answer is random, so it counts as "served"."""
+    out = []
+    for i, (extra, stream) in enumerate(
+        [({}, False), ({}, True), ({"temperature": 0.8}, False), ({"temperature": 0.8}, True),
+         ({"temperature": 0.8, "seed": 7}, False), ({"temperature": 0.8, "seed": 7}, True)]
+    ):
+        try:
+            text, _ = server.chat(prompts[i % len(prompts)], max_tokens=16, stream=stream, **extra)
+        except RequestFailed as e:
+            out.append(f"failed: {e}")
+            continue
+        out.append("served" if "seed" not in extra and extra else text)
+    return out

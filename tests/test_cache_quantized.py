@@ -220,3 +220,27 @@ def test_batch_trim_is_per_row_and_keeps_masks(installed):
     assert batch.offset.tolist() == [1, 6]
     mask = batch.make_mask(2)
     assert mask.shape == (2, 1, 2, 8)
+
+
+def rebuilt(cache):
+    """The cache rebuilt from its own state, as load_prompt_cache does."""
+    if hasattr(cache, "meta_state"):
+        return type(cache).from_state(cache.state, cache.meta_state)
+    return type(cache).from_state(cache.state)
+
+
+def _stock_empty_batch_rebuilds():
+    try:  # mlx-lm 0.31's empty BatchKVCache has no state (it reads keys.shape)
+        return rebuilt(BatchKVCache([0, 0])).empty()
+    except AttributeError:
+        return False
+
+
+if _stock_empty_batch_rebuilds():  # defined where stock's empty batch rebuilds
+
+    def test_an_empty_quantized_batch_rebuilds_from_its_own_state(installed):
+        fmt = latent_kv(4).to_quantized(64, 4)._format
+        empty = BatchQuantizedLatentCache([0, 0])  # rows, no tokens yet
+        empty._set_format(*fmt)
+        again = rebuilt(empty)
+        assert type(again) is BatchQuantizedLatentCache and again.empty() and again._format == fmt

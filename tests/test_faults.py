@@ -1,13 +1,15 @@
-"""A fault in any cache operation, a prefill chunk or a decode step ends the
-request it hits with a clear error, and the server then serves the next
-requests normally and correctly (MLX_LM_MLA_FAULT, see faults.py)."""
+"""A fault in any cache operation, a prefill chunk, a decode step or one
+request's sampler ends the request it hits with a clear error, and the
+server then serves the next requests exactly as a fresh server does:
+greedy, sampled without a seed and sampled with a seed, streamed and not
+(MLX_LM_MLA_FAULT, see faults.py)."""
 
 import threading
 import time
 
 import pytest
 
-from serving import RequestFailed, Server, questions, save_served_model, server_supports
+from serving import RequestFailed, Server, questions, save_served_model, served_as_fresh, server_supports
 
 BATCHED = ["--decode-concurrency", 4]
 QUANTIZED = ["--kv-bits", 4, "--quantized-kv-start", 64]
@@ -20,6 +22,7 @@ POINTS = [
     ("extract", BATCHED),
     ("filter", BATCHED),
     ("extend", BATCHED),
+    ("sample", BATCHED),
 ]
 if server_supports("--kv-bits"):
     POINTS.append(("to_quantized", QUANTIZED))
@@ -39,18 +42,21 @@ def expected(model_path):
     for flags in (BATCHED, QUANTIZED if server_supports("--kv-bits") else None):
         if flags is not None:
             with Server(model_path, *flags) as server:
-                answers[tuple(flags)] = [server.chat(q, max_tokens=24)[0] for q in CHECKS]
+                answers[tuple(flags)] = (
+                    [server.chat(q, max_tokens=24)[0] for q in CHECKS],
+                    served_as_fresh(server, CHECKS),
+                )
     return answers
 
 
-def pairs_until_a_failure(server):
+def pairs_until_a_failure(server, **extra):
     """Two requests at a time: a long one, and a short one that joins its
     running batch (extend) and finishes first (filter)."""
     failures = []
 
     def run(q, n):
         try:
-            server.chat(q, max_tokens=n, stream=n > 20)
+            server.chat(q, max_tokens=n, stream=n > 20, **extra)
         except RequestFailed as e:
             failures.append(str(e))
 
@@ -68,10 +74,11 @@ def pairs_until_a_failure(server):
 
 
 @pytest.mark.parametrize("point,flags", POINTS, ids=[p for p, _ in POINTS])
-def test_a_fault_fails_one_request_and_the_next_five_are_correct(point, flags, model_path, expected):
+def test_a_fault_fails_one_request_and_the_next_are_served_as_on_a_fresh_server(point, flags, model_path, expected):
     env = {"MLX_LM_MLA_FAULT": f"{point}:1"}
     with Server(model_path, *flags, env=env) as server:
-        failures = pairs_until_a_failure(server)
-        after = [server.chat(q, max_tokens=24)[0] for q in CHECKS]
+        # A request's own sampler (greedy is one shared sampler for all rows).
+        failures = pairs_until_a_failure(server, **({"temperature": 0.8} if point == "sample" else {}))
+        after = [server.chat(q, max_tokens=24)[0] for q in CHECKS], served_as_fresh(server, CHECKS)
     assert failures and all("InjectedFault" in f for f in failures), failures
     assert after == expected[tuple(flags)]

@@ -63,3 +63,36 @@ def test_an_editable_install_activates_in_a_new_process(editable):
 
 def test_an_editable_install_has_the_switch_too(editable):
     assert activated(editable, MLX_LM_MLA_DISABLE="1")[1] == 0
+
+
+def run_fresh(code):
+    """code in a new process with every warning an error; its stdout."""
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"},
+    )
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    return out.stdout.split()
+
+
+def test_install_before_mlx_lm_is_imported_activates_without_a_warning():
+    assert int(run_fresh("import mlx_lm_mla; print(len(mlx_lm_mla.install()))")[0]) > 0
+
+
+def test_importing_the_tiny_models_first_activates_without_a_warning():
+    code = "import mlx_lm_mla.tiny, mlx_lm_mla; print(len(mlx_lm_mla.installed()))"
+    assert int(run_fresh(code)[0]) > 0
+
+
+def test_the_server_is_guarded_when_imported_and_not_imported_before():
+    code = (
+        "import sys, mlx_lm, mlx_lm_mla; "
+        "server = lambda: any(p.startswith('mlx_lm.server.') for p in mlx_lm_mla.installed()); "
+        "print('mlx_lm.server' in sys.modules, server()); "
+        "import mlx_lm.server; print(server())"
+    )
+    assert run_fresh(code) == ["False", "False", "True"]

@@ -76,3 +76,26 @@ def test_outside_the_supported_range_it_warns_once(stock, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mlx_lm_mla.install()  # no second warning
+
+
+def test_no_patch_is_missing_at_this_mlx_lm(stock):
+    import mlx_lm.server  # noqa: F401 (its guards are applied with it)
+
+    mlx_lm_mla.install()
+    assert patch.missing() == []
+    assert "mlx_lm.server.APIHandler.handle_completion" in mlx_lm_mla.installed()
+
+
+def test_a_patch_whose_target_is_gone_is_named_and_warned_once(stock, monkeypatch):
+    from mlx_lm.server import ResponseGenerator
+
+    monkeypatch.delattr(ResponseGenerator, "_is_batchable")
+    monkeypatch.setattr(patch, "_warned_missing", set())
+    with pytest.warns(RuntimeWarning, match=r"ResponseGenerator\._is_batchable"):
+        mlx_lm_mla.install()
+    assert patch.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
+    mlx_lm_mla.uninstall()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlx_lm_mla.install()  # no second warning
+    assert patch.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]

@@ -15,15 +15,24 @@ from serving import (
     SYSTEM,
     RequestFailed,
     Server,
+    Stream,
     cached_tokens,
     four_clients,
     post_json,
     questions,
     raw_post,
     save_served_model,
+    served_as_fresh,
     server_supports,
     status_lines,
 )
+
+NAN, INF = float("nan"), float("inf")
+# Streams whose texts differ from each other and run to max_tokens.
+DISTINCT = {"presence_penalty": 2.0, "logit_bias": {"1": -100}}
+# A sampler of the request's own that samples as greedy does (greedy itself
+# is one sampler shared by every row of a batch).
+OWN_SAMPLER = {"temperature": 1e-4}
 
 KV_BITS = [4, 8] if server_supports("--kv-bits") else []
 START = 64  # --quantized-kv-start, crossed by every request below
@@ -120,6 +129,16 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
+    # Values only the sampler itself refuses, and values that are not numbers.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "top_k": 1000000}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "xtc_probability": 0.5, "xtc_threshold": 0.6}, "xtc_"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "min_p": NAN}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "xtc_probability": 0.5, "xtc_threshold": NAN}, "xtc_threshold"),
+    ("/v1/completions", {"prompt": "hi", "temperature": INF}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": -INF}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NAN}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1e39}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "seed": -1}, "seed"),
 ]
 
 
@@ -145,6 +164,47 @@ def test_bad_requests_get_400_naming_the_field_and_requests_in_flight_complete(m
         assert status == 400 and field in json.dumps(reply), (field, status, reply)
     assert status_lines(not_utf8) == ["HTTP/1.0 400 Bad Request"] and b"UTF-8" in not_utf8
     assert errors == [] and sorted(served) == sorted(expected)
+
+
+@pytest.fixture(scope="module")
+def fresh(model_path):
+    """What a fresh server answers: three streams alone, and the requests
+    a failure must not change (greedy, sampled, seeded; streamed and not)."""
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        solo = [server.chat(q, max_tokens=60, **DISTINCT, **OWN_SAMPLER)[0] for q in questions(3)]
+        return {"solo": solo, "served": served_as_fresh(server, questions(2))}
+
+
+REFUSED_INSIDE_A_SAMPLER = [  # mlx-lm raises these inside a compiled sampler
+    {"temperature": 0.7, "top_k": 1000000},
+    {"temperature": 0.7, "xtc_probability": 0.5, "xtc_threshold": 0.6},
+]
+
+
+def test_after_a_refused_sampling_value_the_next_requests_are_served_as_on_a_fresh_server(model_path, fresh):
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        after = []
+        for bad in REFUSED_INSIDE_A_SAMPLER:
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], **bad}
+                status, _ = post_json(server.port, path, body)
+                after.append((status, served_as_fresh(server, questions(2))))
+    assert after == [(400, fresh["served"])] * len(after)
+
+
+def test_a_request_whose_sampler_fails_in_a_batch_ends_alone_and_the_others_decode_as_alone(model_path, fresh):
+    env = {"MLX_LM_MLA_FAULT": "sample:40"}  # one row's sampler, ~13 steps in
+    with Server(model_path, "--decode-concurrency", 4, env=env) as server:
+        streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            s.join()
+        after = served_as_fresh(server, questions(2))
+    failed = [s for s in streams if s.error is not None]
+    assert len(failed) == 1 and "InjectedFault" in failed[0].error, [s.error for s in streams]
+    assert all(s.text == fresh["solo"][i] for i, s in enumerate(streams) if s.error is None)
+    assert after == fresh["served"]
 
 
 def test_an_out_of_vocabulary_logit_bias_changes_no_later_answer(model_path):

@@ -1,0 +1,229 @@
+"""Sampling in ``mlx_lm.server``, so that no failure outlives its request.
+
+- Validation by construction: before a request joins a batch, its sampler
+  and logits processors are built by the server's own ``_make_sampler`` and
+  ``_make_logits_processors`` and run once on one row of the model's
+  vocabulary size. Whatever they refuse, the request is refused for; no list
+  of allowed values is kept here.
+- Attribution: inside a batch step each row's sampler and processors run
+  guarded. A row that fails ends its own request with the error; the other
+  rows keep decoding as they would alone.
+- Restoration: mlx-lm's samplers are compiled with ``mx.random.state`` as
+  input and output, so a failure inside one leaves that state holding an
+  array that was never computed, and every later unseeded sampled request
+  fails. Each guarded call puts the key back when it fails.
+"""
+
+import dataclasses
+import time
+
+import mlx.core as mx
+
+# The generation thread's last random key seen before a guarded call, so a
+# failure of the whole loop can put back a key that was computed.
+_last_key = [None]
+
+
+def random_key():
+    return mx.random.state[0]
+
+
+def restore_random(key):
+    """Makes ``key`` the random state again. mlx < 0.32.4 keeps the state in
+    a list; later versions keep it per thread behind a read-only view, where
+    ``seed`` sets it: a key is the two 32-bit halves of its seed."""
+    state = mx.random.state
+    if isinstance(state, list):
+        state[0] = key
+        return
+    high, low = (int(v) for v in key.tolist())
+    mx.random.seed((high << 32) | low)
+
+
+def repair_random():
+    """After a failure of the generation loop: if the random state cannot be
+    computed (a compiled sampler failed inside), put back the last key that
+    could. Returns True if it had to."""
+    try:
+        mx.eval(random_key())
+        return False
+    except Exception:
+        pass
+    if _last_key[0] is not None:
+        restore_random(_last_key[0])
+    else:  # no key was seen: seed from the clock, as mlx seeds a new process
+        mx.random.seed(time.time_ns() // 1_000_000)
+    return True
+
+
+# --- one run of a request's sampling, before it is queued ------------------
+
+
+def _row(vocab):
+    # A valid log-probability row with distinct values (no random draw).
+    logits = -mx.arange(vocab, dtype=mx.float32)[None] / vocab
+    return logits
+
+
+def trial(sampler, processors, vocab, context):
+    """Runs one sampling step as a batch row does. Returns why it cannot
+    run, or None. The random state is left as it was found."""
+    key = random_key()
+    try:
+        logits = _row(vocab)
+        for processor in processors:
+            logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        mx.eval(token, logprobs)
+        if mx.isnan(logprobs).any().item():
+            return "gives log-probabilities that are not numbers"
+        ids = token.reshape(-1).tolist()
+        if len(ids) != 1 or not 0 <= ids[0] < vocab:
+            return f"samples {ids}, not one token of the vocabulary (0..{vocab - 1})"
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        restore_random(key)
+
+
+def _fields(group):
+    return [f.name for f in dataclasses.fields(group)] if dataclasses.is_dataclass(group) else []
+
+
+def _zero(value):
+    # Every knob's "off" value in mlx-lm's samplers is the zero of its type.
+    return None if value is None else type(value)()
+
+
+def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prompt):
+    """Why the sampling arguments of a request cannot be served, naming the
+    field, or None. ``make_sampler(args, tokenizer)`` and
+    ``make_processors(args)`` are the server's own builders."""
+    context = mx.array(prompt)
+    seed = getattr(args, "seed", None)
+    if seed is not None:  # the single path seeds with it first
+        key = random_key()
+        try:
+            mx.random.seed(seed)
+        except Exception as e:
+            return f"seed={seed!r} cannot be served: {type(e).__name__}: {e}"
+        finally:
+            restore_random(key)
+
+    def run(a):
+        try:
+            sampler, processors = make_sampler(a, tokenizer), make_processors(a)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return trial(sampler, processors, vocab, context)
+
+    problem = run(args)
+    if problem is None:
+        return None
+    # Name the field: from every field at its zero, put the request's values
+    # back one at a time; the first that makes it fail is the one.
+    groups = [g for g in ("sampling", "logits") if _fields(getattr(args, g, None))]
+    values = {g: dataclasses.asdict(getattr(args, g)) for g in groups}
+    current = {g: {k: _zero(v) for k, v in values[g].items()} for g in groups}
+
+    def variant():
+        changes = {g: dataclasses.replace(getattr(args, g), **current[g]) for g in groups}
+        return dataclasses.replace(args, **changes)
+
+    if groups and dataclasses.is_dataclass(args) and run(variant()) is None:
+        for g in groups:
+            for name in _fields(getattr(args, g)):
+                current[g][name] = values[g][name]
+                found = run(variant())
+                if found is not None:
+                    return f"{name}={values[g][name]!r} cannot be served: {found}"
+    return f"the sampling arguments cannot be served: {problem}"
+
+
+# --- rows of a batch --------------------------------------------------------
+
+
+def _failed(args, error):
+    # The first failure of a request is the one it is answered with.
+    if getattr(args, "mlx_lm_mla_failure", None) is None:
+        try:
+            args.mlx_lm_mla_failure = error
+        except AttributeError:
+            pass
+
+
+def failure(args):
+    return getattr(args, "mlx_lm_mla_failure", None)
+
+
+class RowSampler:
+    """A request's sampler in a batch: a failure is the request's own. The
+    row gets a stand-in token (the request ends at its next reply), the
+    random state is put back, and the other rows go on."""
+
+    def __init__(self, sampler, args):
+        self.sampler = sampler
+        self.args = args
+
+    def run(self, logprobs):
+        return self.sampler(logprobs)
+
+    def __call__(self, logprobs):
+        key = _last_key[0] = random_key()
+        try:
+            return self.run(logprobs)
+        except Exception as e:
+            restore_random(key)
+            _failed(self.args, e)
+            return mx.argmax(logprobs, axis=-1)
+
+
+class RowProcessor:
+    """A request's logits processor in a batch: a failure is the request's
+    own, and its row's logits pass through unchanged."""
+
+    def __init__(self, processor, args):
+        self.processor = processor
+        self.args = args
+
+    def __call__(self, tokens, logits):
+        key = random_key()
+        try:
+            return self.processor(tokens, logits)
+        except Exception as e:
+            restore_random(key)
+            _failed(self.args, e)
+            return logits
+
+
+def guarded_make_sampler(original):
+    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row.
+    A sampler the builder hands every request alike (greedy) is left as it
+    is: the batch samples all its rows in one call, as upstream, and holds
+    nothing of one request that could fail."""
+
+    def _make_sampler(args, tokenizer):
+        sampler = original(args, tokenizer)
+        if original(args, tokenizer) is sampler:
+            return sampler
+        return RowSampler(sampler, args)
+
+    _make_sampler.mlx_lm_mla_original = original
+    return _make_sampler
+
+
+def guarded_make_logits_processors(original):
+    """``mlx_lm.server._make_logits_processors`` whose processors run guarded."""
+
+    def _make_logits_processors(args):
+        return [RowProcessor(p, args) for p in original(args)]
+
+    _make_logits_processors.mlx_lm_mla_original = original
+    return _make_logits_processors
+
+
+def unguarded(function):
+    """The server's own builder under our guard."""
+    return getattr(function, "mlx_lm_mla_original", function)

@@ -1,0 +1,67 @@
+"""A request's sampling in a batch row: a failure is the request's own,
+and mx.random's state is left as it was (sampling.py)."""
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_lm_mla import sampling
+
+VOCAB = 64
+
+
+class Args:
+    """Stands for a request's GenerationArguments."""
+
+
+def row():
+    logits = -mx.arange(VOCAB, dtype=mx.float32)[None] / VOCAB
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def draws(n=4, seed=3):
+    mx.random.seed(seed)
+    sampler = make_sampler(0.8)
+    return [sampler(row()).item() for _ in range(n)]
+
+
+def test_a_sampler_failing_inside_its_compiled_call_breaks_the_random_state_on_stock():
+    key = sampling.random_key()
+    try:
+        make_sampler(0.8, top_k=VOCAB * 10)(row())
+    except ValueError:
+        pass
+    try:
+        mx.eval(sampling.random_key())
+        broken = False
+    except RuntimeError:
+        broken = True
+    sampling.restore_random(key)
+    assert broken
+
+
+def test_a_failing_row_answers_with_a_stand_in_and_keeps_the_random_state():
+    expected = draws()
+    mx.random.seed(3)
+    args = Args()
+    token = sampling.RowSampler(make_sampler(0.8, top_k=VOCAB * 10), args)(row())
+    sampler = make_sampler(0.8)
+    assert token.item() == 0 and "top_k" in str(sampling.failure(args))
+    assert [sampler(row()).item() for _ in range(4)] == expected
+
+
+def test_a_failing_processor_passes_the_row_through():
+    def bad(tokens, logits):
+        raise ValueError("this penalty cannot be applied")
+
+    args, logits = Args(), row()
+    out = sampling.RowProcessor(bad, args)(mx.array([[1, 2]]), logits)
+    assert out is logits and sampling.failure(args) is not None
+
+
+def test_a_trial_leaves_the_random_state_as_it_found_it():
+    expected = draws()
+    mx.random.seed(3)
+    assert sampling.trial(make_sampler(0.8), [], VOCAB, mx.array([1, 2])) is None
+    assert "top_k" in sampling.trial(make_sampler(0.8, top_k=VOCAB * 10), [], VOCAB, mx.array([1]))
+    sampler = make_sampler(0.8)
+    assert [sampler(row()).item() for _ in range(4)] == expected
