@@ -17,6 +17,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_lm_mla import QuantizedLatentCache, tiny
+from mlx_lm_mla.files import CHECKSUM
 from mlx_lm_mla.patch import mlx_lm_version
 
 from serving import Server, cached_tokens, four_clients, questions, server_supports
@@ -105,6 +106,7 @@ def test_a_saved_quantized_cache_list_continues_exactly(model_type, installed, t
     model, cache = run(model_type, 4)
     path = str(tmp_path / "cache.safetensors")
     save_prompt_cache(path, cache)
+    assert any(CHECKSUM in k for k in mx.load(path, return_metadata=True)[1])  # checksummed: it holds a latent
     loaded = cache_module.load_prompt_cache(path)
     assert [type(m) for c in lists(loaded) for m in c.caches] == [type(m) for c in lists(cache) for m in c.caches]
     assert generate(model, loaded, [7, 8, 9]) == generate(model, cache, [7, 8, 9])
