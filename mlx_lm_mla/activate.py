@@ -17,8 +17,9 @@ sees, so for that one module the hook hands runpy code that imports
 ``mlx_lm.server`` and calls its ``main()``.
 
 Activation works in any import order: when ``mlx_lm`` is first imported by
-``mlx_lm_mla.patch`` itself (``import mlx_lm_mla; mlx_lm_mla.install()``),
-install() does not exist yet, and patch.py calls it as its import ends.
+one of this package's own modules (``import mlx_lm_mla.cache``, or
+``mlx_lm_mla.install()`` importing ``patch.py``), activation waits until no
+module of the package is still importing, then runs.
 """
 
 import os
@@ -31,7 +32,9 @@ TARGET = "mlx_lm"
 SERVER = "mlx_lm.server"
 RUN_SERVER = "import mlx_lm_mla.activate as a; a.run_server()"
 PATCH = "mlx_lm_mla.patch"
+OURS = "mlx_lm_mla."
 _deferred = []
+_importing = []  # the package's modules being imported through the hook
 
 
 def disabled() -> bool:
@@ -50,8 +53,8 @@ def deferred():
 
 def _activate():
     patch = sys.modules.get(PATCH)
-    if patch is not None and not hasattr(patch, "install"):
-        _deferred.append(True)  # patch.py is importing mlx_lm: it activates
+    if _importing or (patch is not None and not hasattr(patch, "install")):
+        _deferred.append(True)  # one of ours is importing mlx_lm: activate after it
         return
     try:
         from .patch import install
@@ -95,6 +98,15 @@ class _Loader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        if self._name.startswith(OURS):
+            _importing.append(self._name)
+            try:
+                self._loader.exec_module(module)
+            finally:
+                _importing.pop()
+            if not _importing and deferred():
+                _activate()
+            return
         self._loader.exec_module(module)
         if self._name == TARGET:
             _activate()
@@ -114,7 +126,7 @@ class _Loader:
 class _AfterImport:
     # A plain meta path finder: importlib.abc would pull in importlib.resources.
     def find_spec(self, name, path, target=None):
-        if name not in (TARGET, SERVER):
+        if name not in (TARGET, SERVER) and not name.startswith(OURS):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
