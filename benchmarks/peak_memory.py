@@ -109,6 +109,8 @@ def main():
     p.add_argument("--steps", type=int, default=256, help="decode steps after it (default: 256)")
     p.add_argument("--layers", type=int, default=2, help="model layers (default: 2)")
     p.add_argument("--start", type=int, default=4096, help="quantized_kv_start (default: 4096)")
+    p.add_argument("--variants", nargs="+", default=[f"{p}{b or ''}" for p, b in VARIANTS],
+                   help="of stock, ours, ours8, ours4, stock8, stock4 (default: all)")
     p.add_argument("--json", default=None, help="default: benchmarks/results/peak_memory.json")
     p.add_argument("--package", choices=["stock", "ours"], help=argparse.SUPPRESS)
     p.add_argument("--bits", type=int, default=None, help=argparse.SUPPRESS)
@@ -118,6 +120,8 @@ def main():
 
     rows = []
     for package, bits in VARIANTS:
+        if f"{package}{bits or ''}" not in args.variants:
+            continue
         print(f"{package} {bits or 'bf16'} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--package", package, "--context", str(args.context),
                "--steps", str(args.steps), "--layers", str(args.layers), "--start", str(args.start)]
@@ -127,7 +131,7 @@ def main():
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
 
     latent = (args.context + args.steps) * GLM_4_7_FLASH["kv_lora_rank"] * 2  # one layer, bf16
-    base = next(r for r in rows if r["package"] == "ours" and r["bits"] is None)
+    base = next(r for r in rows if r["bits"] is None)  # the bf16 run
     base_transient = base["peak"] - base["cache"]
     for r in rows:
         r["variant"] = f"{r['package']} {r['bits']}-bit" if r["bits"] else f"{r['package']} bf16"

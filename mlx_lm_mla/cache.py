@@ -40,14 +40,18 @@ _META = hasattr(KVCache, "meta_state")  # mlx-lm 0.31 saves a meta_state
 
 def dequantize_bytes(packed, scales, biases, group_size, bits):
     """``mx.dequantize`` of a packed latent held as bytes. On the CPU, for 2,
-    4 and 8 bits, the same arithmetic as elementwise ops: MLX's CPU kernel
-    runs 3-4x slower than they do (``benchmarks/decode_speed.py``)."""
+    4 and 8 bits, the same arithmetic as elementwise ops: MLX's CPU kernel is
+    2-3x slower and holds several latents' worth of memory at its peak
+    (``benchmarks/decode_speed.py``, ``peak_memory.py``)."""
     if bits not in (2, 4, 8) or mx.default_device().type != mx.cpu:
         return mx.dequantize(mx.view(packed, mx.uint32), scales, biases, group_size=group_size, bits=bits)
-    mask, shifts = (1 << bits) - 1, range(0, 8, bits)  # the low bits come first
-    q = packed if bits == 8 else mx.stack([(packed >> i) & mask for i in shifts], axis=-1)
-    q = q.reshape(*packed.shape[:-1], -1, group_size).astype(scales.dtype)
-    return (q * scales[..., None] + biases[..., None]).reshape(*packed.shape[:-1], -1)
+    lead = packed.shape[:-1]
+    q = packed.reshape(*lead, scales.shape[-1], -1)  # the bytes of each group
+    if bits < 8:  # unpack in one broadcast op, the low bits first
+        shifts = mx.array(list(range(0, 8, bits)), dtype=mx.uint8)
+        q = ((q[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, scales.shape[-1], -1)
+    # uint8 times the scales' dtype: no separate cast, one intermediate fewer.
+    return (q * scales[..., None] + biases[..., None]).reshape(*lead, -1)
 
 
 # Serialized formats start with the layout's name; one without a name is the
