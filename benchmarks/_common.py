@@ -62,6 +62,28 @@ GLM_5 = dict(
 )
 
 
+def glm_attention_model(layers, dtype, hidden_size=256, q_lora_rank=64, moe=False):
+    """A glm4_moe_lite with GLM-4.7-Flash's attention widths, small MLPs and
+    random weights (dense layers unless moe: the CPU runs MoE in float32 only)."""
+    from mlx_lm_mla import tiny
+
+    shape = GLM_4_7_FLASH
+    overrides = dict(
+        kv_lora_rank=shape["kv_lora_rank"],
+        qk_rope_head_dim=shape["qk_rope_head_dim"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        qk_nope_head_dim=shape["qk_nope_head_dim"],
+        v_head_dim=shape["v_head_dim"],
+        hidden_size=hidden_size,
+        q_lora_rank=q_lora_rank,
+        num_hidden_layers=layers,
+    )
+    if not moe:
+        overrides["first_k_dense_replace"] = 99
+    return tiny.build_model("glm4_moe_lite", dtype=dtype, **overrides)
+
+
 def versions():
     import mlx.core as mx
     import mlx_lm

@@ -50,7 +50,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import GLM_4_7_FLASH, load_average, median, progress, table, write_json
+from _common import GLM_4_7_FLASH, glm_attention_model, load_average, median, progress, table, write_json
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -67,22 +67,7 @@ TARGET_UP_TO = 16384  # the decode targets hold at 4K and 16K positions
 
 
 def build(args):
-    shape = GLM_4_7_FLASH
-    overrides = dict(
-        kv_lora_rank=shape["kv_lora_rank"],
-        qk_rope_head_dim=shape["qk_rope_head_dim"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["heads"],
-        qk_nope_head_dim=shape["qk_nope_head_dim"],
-        v_head_dim=shape["v_head_dim"],
-        hidden_size=args.hidden_size,
-        q_lora_rank=args.q_lora_rank,
-        num_hidden_layers=args.layers,
-    )
-    if not args.moe:
-        overrides["first_k_dense_replace"] = 99
-    model, config = tiny.build_model("glm4_moe_lite", dtype=DTYPES[args.dtype], **overrides)
-    return model, config
+    return glm_attention_model(args.layers, DTYPES[args.dtype], args.hidden_size, args.q_lora_rank, args.moe)
 
 
 def check_cache_classes(model):

@@ -35,7 +35,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import GLM_4_7_FLASH, table, write_json
+from _common import GLM_4_7_FLASH, glm_attention_model, table, write_json
 
 PREFILL_STEP = 2048
 VARIANTS = [("stock", None), ("ours", None), ("ours", 8), ("ours", 4), ("stock", 8), ("stock", 4)]
@@ -48,25 +48,11 @@ def one_run(args):
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_lm_mla
-    from mlx_lm_mla import tiny
 
     if args.package == "ours":
         mlx_lm_mla.install()
     shape, dtype = GLM_4_7_FLASH, mx.bfloat16
-    model, _ = tiny.build_model(
-        "glm4_moe_lite",
-        dtype=dtype,
-        kv_lora_rank=shape["kv_lora_rank"],
-        qk_rope_head_dim=shape["qk_rope_head_dim"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["heads"],
-        qk_nope_head_dim=shape["qk_nope_head_dim"],
-        v_head_dim=shape["v_head_dim"],
-        hidden_size=256,
-        q_lora_rank=64,
-        num_hidden_layers=args.layers,
-        first_k_dense_replace=99,
-    )
+    model, _ = glm_attention_model(args.layers, dtype)
     cache = make_prompt_cache(model)
     mx.random.seed(0)
     mx.synchronize()

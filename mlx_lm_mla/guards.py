@@ -7,6 +7,7 @@ import threading
 import time
 
 from . import sampling
+from .latent import leaves
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +56,7 @@ def _ended(request):
         _taken.skip_insert = getattr(request, "mlx_lm_mla_prompt", None)
 
 
-def _leaves(caches):
-    for c in caches:
-        inner = getattr(c, "caches", None)
-        if isinstance(inner, (list, tuple)):
-            yield from _leaves(inner)
-        else:
-            yield c
+_leaves = leaves  # layer caches, CacheList members too
 
 
 def cache_problem(caches, length):
