@@ -56,7 +56,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla import tiny
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 PREFILL_STEP = 2048

@@ -139,10 +139,7 @@ def _dist(site: Path, name: str):
 
 
 def supported_range():
-    # The tested range is patch.py's; importing it loads mlx-lm (a second or two),
-    # mlx_lm first, so that its start-up hook finds patch.py whole.
-    import mlx_lm  # noqa: F401
-
+    # The tested range is patch.py's; importing it loads mlx-lm (a second or two).
     from .patch import SUPPORTED_MLX_LM
 
     return SUPPORTED_MLX_LM

@@ -4,7 +4,6 @@ MLA models; the DSA indexer's keys stay at the model's dtype."""
 
 import mlx.core as mx
 import pytest
-import mlx_lm
 import mlx_lm.models.cache as cache_module
 from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import (

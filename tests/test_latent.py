@@ -11,8 +11,6 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache, latent, tiny
 
-from conftest import leaves
-
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(40)]
 SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its RoPE key
 # A model that caches full K/V with one head: keys 64 wide, values 32.
