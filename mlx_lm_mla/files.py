@@ -172,8 +172,8 @@ def cache_mismatch(model, cache):
 
 
 def checked_generate_step(original):
-    """``generate_step`` that refuses a prompt cache its model cannot use,
-    before the first step, instead of a broadcast error inside attention."""
+    """``generate_step`` that refuses a prompt cache its model cannot use, or
+    one quantized otherwise than ``kv_bits`` asks, before the first step."""
 
     def generate_step(prompt, model, *args, **kwargs):
         from .latent import mark_model_caches
@@ -181,10 +181,33 @@ def checked_generate_step(original):
         cache = kwargs.get("prompt_cache")
         if isinstance(cache, (list, tuple)):
             mark_model_caches(model, cache)
-            problem = cache_mismatch(model, cache)
+            bits, group_size = kwargs.get("kv_bits"), kwargs.get("kv_group_size", 64)
+            problem = cache_mismatch(model, cache) or settings_mismatch(cache, bits, group_size)
             if problem:
                 raise ValueError(problem)
         return original(prompt, model, *args, **kwargs)
 
     generate_step.mlx_lm_mla_original = original
     return generate_step
+
+
+def settings_mismatch(cache, bits, group_size):
+    """Why a cache whose latent is quantized cannot continue under ``kv_bits``
+    / ``kv_group_size``, or None. Refused up front, as ``mlx_lm.generate``
+    refuses a loaded ``QuantizedKVCache`` of other bits: otherwise it would
+    fail only once ``quantized_kv_start`` is reached (``to_quantized`` does
+    not requantize), and until then decode at the cache's own bits."""
+    from .cache import _PackedLatent
+    from .latent import leaves
+
+    if bits is None:
+        return None
+    for c in leaves(cache):
+        if isinstance(c, _PackedLatent) and (c.group_size, c.latent_bits) != (int(group_size), int(bits)):
+            return (
+                f"prompt cache: its MLA latent is quantized with group_size "
+                f"{c.group_size} and {c.latent_bits} bits; kv_bits {bits} with "
+                f"kv_group_size {group_size} was asked for, and a quantized cache "
+                "is not requantized"
+            )
+    return None

@@ -56,6 +56,24 @@ def test_quantization_settings_survive_the_file(installed, tmp_path):
     assert all((c.group_size, c.latent_bits, c.offset) == (32, 4, 14) for c in loaded)
 
 
+@pytest.mark.parametrize("bits,group_size", [(8, 32), (4, 64)])
+def test_a_loaded_latent_quantized_otherwise_than_kv_bits_is_refused_before_the_first_step(
+    bits, group_size, installed, tmp_path
+):
+    from mlx_lm.generate import generate_step
+
+    model, _ = tiny.build_model("glm4_moe_lite")
+    path = str(tmp_path / "q.safetensors")
+    save_prompt_cache(path, prefilled(model, bits=4))  # group size 32
+    loaded = cache_module.load_prompt_cache(path)
+    with pytest.raises(ValueError, match=f"group_size 32 and 4 bits; kv_bits {bits} with kv_group_size {group_size}"):
+        next(generate_step(
+            mx.array(PROMPT[14:]), model, prompt_cache=loaded, max_tokens=2,
+            kv_bits=bits, kv_group_size=group_size, quantized_kv_start=5000,
+        ))
+    assert all(c.offset == 14 for c in loaded)  # nothing was written
+
+
 def test_truncated_file_is_refused_by_name(installed, tmp_path):
     model, _ = tiny.build_model("glm4_moe_lite")
     path = tmp_path / "c.safetensors"
