@@ -2,6 +2,7 @@
 and on a loaded cache meeting its model, so a damaged or foreign file is
 refused by name instead of loading garbage or failing deep in the model."""
 
+import json
 import os
 import re
 import struct
@@ -78,34 +79,112 @@ def _stamp(path):
         f.write(value)
 
 
-def checksummed_save(original, is_latent):
-    """``save_prompt_cache`` that stores a checksum with a latent cache."""
+# mlx cannot write a zero-size array, and mlx-lm 0.31's DSA indexer keeps
+# its values as one (width 0), so stock cannot save a DeepSeek-V3.2 / GLM-5
+# cache there. Such an array is written as one element, its shape and dtype
+# recorded here, and put back on load.
+EMPTY = "mlx_lm_mla_empty"
+
+
+def _empty_arrays(tree, path=()):
+    # (path, array) of every zero-size array in a nested state.
+    import mlx.core as mx
+
+    if isinstance(tree, mx.array):
+        return [(path, tree)] if tree.size == 0 else []
+    if isinstance(tree, (list, tuple)):
+        return [f for i, t in enumerate(tree) for f in _empty_arrays(t, path + (i,))]
+    return []
+
+
+def _without_empty(tree):
+    import mlx.core as mx
+
+    if isinstance(tree, mx.array):
+        return mx.zeros((1,), tree.dtype) if tree.size == 0 else tree
+    if isinstance(tree, (list, tuple)):
+        return [_without_empty(t) for t in tree]
+    return tree
+
+
+def _writable(layer):
+    """``layer``, or a stand-in under its class name whose state has one
+    element for each zero-size array; and where those arrays were."""
+    empty = _empty_arrays(layer.state)
+    if not empty:
+        return layer, []
+    fields = {"state": _without_empty(layer.state)}
+    if hasattr(layer, "meta_state"):  # mlx-lm 0.31 saves it
+        fields["meta_state"] = layer.meta_state
+    stand_in = type(type(layer).__name__, (), fields)()
+    return stand_in, [[list(p), list(x.shape), str(x.dtype).rsplit(".", 1)[-1]] for p, x in empty]
+
+
+def _put_back_empty(cache, record):
+    """Restores the zero-size arrays ``_writable`` stood in for."""
+    import mlx.core as mx
+
+    for i, arrays in json.loads(record).items():
+        for path, shape, dtype in arrays:
+            target, path = cache[int(i)], list(path)
+            while isinstance(getattr(target, "caches", None), (list, tuple)):
+                target, path = target.caches[path[0]], path[1:]  # a CacheList member
+            state = list(target.state)
+            state[path[0]] = _replace(state[path[0]], path[1:], mx.zeros(shape, getattr(mx, dtype)))
+            target.state = state
+
+
+def _replace(tree, path, value):
+    if not path:
+        return value
+    items = list(tree)
+    items[path[0]] = _replace(items[path[0]], path[1:], value)
+    return items
+
+
+def checked_save(original, is_latent):
+    """``save_prompt_cache`` that stores a checksum with a latent cache, and
+    writes a cache holding zero-size arrays (see ``EMPTY``)."""
 
     def save_prompt_cache(file_name, cache, *args, **kwargs):
-        from .guards import _leaves
+        from .latent import leaves
 
-        if not any(is_latent(c) for c in _leaves(cache)):
+        layers, empty = [], {}
+        for i, c in enumerate(cache):
+            layer, found = _writable(c)
+            layers.append(layer)
+            if found:
+                empty[str(i)] = found
+        latent = any(is_latent(c) for c in leaves(cache))
+        if not (latent or empty):
             return original(file_name, cache, *args, **kwargs)
-        metadata = args[0] if args else kwargs.get("metadata")
-        original(file_name, cache, {**(metadata or {}), CHECKSUM: _PENDING.decode()})
-        _stamp(os.fspath(file_name))
+        metadata = dict((args[0] if args else kwargs.get("metadata")) or {})
+        if empty:
+            metadata[EMPTY] = json.dumps(empty)
+        if latent:
+            metadata[CHECKSUM] = _PENDING.decode()
+        original(file_name, layers, metadata)
+        if latent:
+            _stamp(os.fspath(file_name))
 
     save_prompt_cache.mlx_lm_mla_original = original
     return save_prompt_cache
 
 
 def checked_load(original):
-    """``load_prompt_cache`` that checks the file is whole first, and hands
-    back the caller's metadata without the checksum."""
+    """``load_prompt_cache`` that checks the file is whole first, puts back
+    what ``checked_save`` stood in for, and hands back the caller's metadata
+    without the package's own fields."""
 
     def load_prompt_cache(file_name, return_metadata=False):
         check_cache_file(file_name)
-        if not return_metadata:
-            return original(file_name)
         cache, metadata = original(file_name, return_metadata=True)
         if isinstance(metadata, dict):
             metadata.pop(CHECKSUM, None)
-        return cache, metadata
+            record = metadata.pop(EMPTY, None)
+            if record is not None:
+                _put_back_empty(cache, record)
+        return (cache, metadata) if return_metadata else cache
 
     load_prompt_cache.mlx_lm_mla_original = original
     return load_prompt_cache

@@ -165,7 +165,7 @@ def _install_reuse_guards(cache_module):
     _rebind(
         cache_module,
         "save_prompt_cache",
-        lambda f: files.checksummed_save(f, latent.is_latent),
+        lambda f: files.checked_save(f, latent.is_latent),
     )
     generate = importlib.import_module("mlx_lm.generate")
     _rebind(generate, "generate_step", files.checked_generate_step)

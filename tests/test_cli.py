@@ -10,11 +10,14 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache, tiny
+from mlx_lm_mla.latent import leaves
 
-WIDTHS = {
-    "glm-widths": {"kv_lora_rank": 128, "qk_rope_head_dim": 64},
-    "square": {"kv_lora_rank": 64, "qk_rope_head_dim": 64},  # latent as wide as its RoPE key
+MODELS = {
+    "glm-widths": ("glm4_moe_lite", {"kv_lora_rank": 128, "qk_rope_head_dim": 64}),
+    "square": ("glm4_moe_lite", {"kv_lora_rank": 64, "qk_rope_head_dim": 64}),  # latent as wide as its RoPE key
+    "deepseek_v32": ("deepseek_v32", {}),  # a CacheList; mlx-lm 0.31's indexer holds an empty array
 }
+GLM = ["glm-widths", "square"]
 PROMPT = "Tell me about the weather in a small mountain village in winter."
 
 
@@ -34,18 +37,27 @@ def cache_prompt(model, path, disabled=False):
     )
 
 
-@pytest.fixture(scope="module", params=list(WIDTHS), ids=list(WIDTHS))
+def saved(request, tmp_path_factory):
+    model_type, overrides = MODELS[request.param]
+    return tiny.save_model(tmp_path_factory.mktemp(request.param) / "model", model_type, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param) / "model"
-    return tiny.save_model(path, "glm4_moe_lite", **WIDTHS[request.param])
+    return saved(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=GLM)
+def glm_model(request, tmp_path_factory):
+    return saved(request, tmp_path_factory)
 
 
 def test_cache_prompt_with_kv_bits_saves_a_quantized_latent(model, tmp_path, installed):
     out = cache_prompt(model, tmp_path / "prompt.safetensors")
     assert out.returncode == 0, out.stderr
     cache = load_prompt_cache(str(tmp_path / "prompt.safetensors"))
-    assert all(type(c) is QuantizedLatentCache and c.latent_bits == 4 for c in cache)
-    assert cache[0].offset > 8
+    latent = [m for c in cache for m in leaves([c]) if type(m) is QuantizedLatentCache]
+    assert len(latent) == len(cache) and all(m.latent_bits == 4 and m.offset > 8 for m in latent)
 
 
 def test_generate_continues_from_a_saved_quantized_latent(model, tmp_path):
@@ -68,6 +80,6 @@ def test_generate_refuses_other_bits_than_the_saved_cache_by_name(model, tmp_pat
     assert "quantized with group_size 64 and 4 bits; kv_bits 8 with kv_group_size 64 was asked for" in out.stderr
 
 
-def test_stock_cache_prompt_with_kv_bits_fails(model, tmp_path):
-    out = cache_prompt(model, tmp_path / "prompt.safetensors", disabled=True)
+def test_stock_cache_prompt_with_kv_bits_fails(glm_model, tmp_path):
+    out = cache_prompt(glm_model, tmp_path / "prompt.safetensors", disabled=True)
     assert out.returncode != 0 and "'list' object has no attribute 'swapaxes'" in out.stderr

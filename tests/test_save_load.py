@@ -32,9 +32,7 @@ def continue_from(model, cache):
     return model(mx.array([PROMPT[14:]]), cache=cache)
 
 
-# deepseek_v32 is left out: mlx-lm 0.31.2 cannot save its indexer cache at all
-# ("cannot serialize an empty array"), with or without this package.
-@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "longcat_flash", "kimi_linear"])
+@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32", "longcat_flash", "kimi_linear"])
 @pytest.mark.parametrize("bits", [None, 4])
 def test_round_trip_continues_exactly(model_type, bits, installed, tmp_path):
     model, _ = tiny.build_model(model_type)
@@ -72,6 +70,20 @@ def test_a_loaded_latent_quantized_otherwise_than_kv_bits_is_refused_before_the_
             kv_bits=bits, kv_group_size=group_size, quantized_kv_start=5000,
         ))
     assert all(c.offset == 14 for c in loaded)  # nothing was written
+
+
+def test_a_zero_size_array_saves_and_loads_back_as_it_was(installed, tmp_path):
+    # What mlx-lm 0.31's DSA indexer keeps as its values; mlx cannot write one.
+    cache = cache_module.KVCache()
+    keys = mx.random.normal((1, 1, 6, 8))
+    cache.update_and_fetch(keys, mx.zeros((1, 1, 6, 0)))
+    path = str(tmp_path / "empty.safetensors")
+    save_prompt_cache(path, [cache], metadata={"chat": "hi"})
+    loaded, metadata = cache_module.load_prompt_cache(path, return_metadata=True)
+    assert metadata == {"chat": "hi"}
+    step = (mx.random.normal((1, 1, 1, 8)), mx.zeros((1, 1, 1, 0)))
+    (k, v), (k_loaded, v_loaded) = cache.update_and_fetch(*step), loaded[0].update_and_fetch(*step)
+    assert v_loaded.shape == v.shape == (1, 1, 7, 0) and mx.array_equal(k_loaded, k)
 
 
 def test_truncated_file_is_refused_by_name(installed, tmp_path):
