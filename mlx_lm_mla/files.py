@@ -110,10 +110,11 @@ def _without_empty(tree):
 def _writable(layer):
     """``layer``, or a stand-in under its class name whose state has one
     element for each zero-size array; and where those arrays were."""
-    empty = _empty_arrays(layer.state)
+    state = layer.state
+    empty = _empty_arrays(state)
     if not empty:
         return layer, []
-    fields = {"state": _without_empty(layer.state)}
+    fields = {"state": _without_empty(state)}
     if hasattr(layer, "meta_state"):  # mlx-lm 0.31 saves it
         fields["meta_state"] = layer.meta_state
     stand_in = type(type(layer).__name__, (), fields)()
