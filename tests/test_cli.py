@@ -52,30 +52,36 @@ def glm_model(request, tmp_path_factory):
     return saved(request, tmp_path_factory)
 
 
-def test_cache_prompt_with_kv_bits_saves_a_quantized_latent(model, tmp_path, installed):
-    out = cache_prompt(model, tmp_path / "prompt.safetensors")
+@pytest.fixture(scope="module")
+def saved_prompt(model, tmp_path_factory):
+    """``mlx_lm cache_prompt --kv-bits 4`` run once per model: (file, result)."""
+    path = tmp_path_factory.mktemp("prompt") / "prompt.safetensors"
+    return path, cache_prompt(model, path)
+
+
+def test_cache_prompt_with_kv_bits_saves_a_quantized_latent(saved_prompt, installed):
+    path, out = saved_prompt
     assert out.returncode == 0, out.stderr
-    cache = load_prompt_cache(str(tmp_path / "prompt.safetensors"))
+    cache = load_prompt_cache(str(path))
     latent = [m for c in cache for m in leaves([c]) if type(m) is QuantizedLatentCache]
     assert len(latent) == len(cache) and all(m.latent_bits == 4 and m.offset > 8 for m in latent)
 
 
-def test_generate_continues_from_a_saved_quantized_latent(model, tmp_path):
-    assert cache_prompt(model, tmp_path / "prompt.safetensors").returncode == 0
-    out = mlx_lm(
-        "generate", "--model", model, "--prompt-cache-file", tmp_path / "prompt.safetensors",
-        "--prompt", " And in summer?", "--max-tokens", 8, "--kv-bits", 4, "--verbose", "True",
+def continue_from(model, path, bits):
+    return mlx_lm(
+        "generate", "--model", model, "--prompt-cache-file", path, "--prompt", " And in summer?",
+        "--max-tokens", 8, "--kv-bits", bits, "--verbose", "True",
     )
+
+
+def test_generate_continues_from_a_saved_quantized_latent(model, saved_prompt):
+    out = continue_from(model, saved_prompt[0], 4)
     assert out.returncode == 0, out.stderr
     assert "Generation: 8 tokens" in out.stdout
 
 
-def test_generate_refuses_other_bits_than_the_saved_cache_by_name(model, tmp_path):
-    assert cache_prompt(model, tmp_path / "prompt.safetensors").returncode == 0
-    out = mlx_lm(
-        "generate", "--model", model, "--prompt-cache-file", tmp_path / "prompt.safetensors",
-        "--prompt", " And in summer?", "--max-tokens", 8, "--kv-bits", 8,
-    )
+def test_generate_refuses_other_bits_than_the_saved_cache_by_name(model, saved_prompt):
+    out = continue_from(model, saved_prompt[0], 8)
     assert out.returncode != 0
     assert "quantized with group_size 64 and 4 bits; kv_bits 8 with kv_group_size 64 was asked for" in out.stderr
 
