@@ -2,10 +2,12 @@
 and on a loaded cache meeting its model, so a damaged or foreign file is
 refused by name instead of loading garbage or failing deep in the model."""
 
+import functools
 import json
 import os
 import re
 import struct
+import tempfile
 import zlib
 
 from safetensors import SafetensorError, safe_open
@@ -79,11 +81,24 @@ def _stamp(path):
         f.write(value)
 
 
-# mlx cannot write a zero-size array, and mlx-lm 0.31's DSA indexer keeps
-# its values as one (width 0), so stock cannot save a DeepSeek-V3.2 / GLM-5
-# cache there. Such an array is written as one element, its shape and dtype
-# recorded here, and put back on load.
+# mlx before 0.32.4 cannot write a zero-size array, and mlx-lm 0.31's DSA
+# indexer keeps its values as one (width 0), so stock cannot save a
+# DeepSeek-V3.2 / GLM-5 cache there. Where mlx cannot, such an array is
+# written as a stand-in, its shape and dtype recorded here, and put back on load.
 EMPTY = "mlx_lm_mla_empty"
+
+
+@functools.cache
+def _mlx_writes_empty():
+    # Known by trying once: which mlx release learned it is not documented.
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            mx.save_safetensors(os.path.join(folder, "probe.safetensors"), {"a": mx.zeros((0,))})
+        except ValueError:
+            return False
+    return True
 
 
 def _empty_arrays(tree, path=()):
@@ -98,20 +113,22 @@ def _empty_arrays(tree, path=()):
 
 
 def _without_empty(tree):
+    # Each zero-size array as one of the same rank, so setters that read its
+    # length (KVCache: keys.shape[2]) still take it until it is put back.
     import mlx.core as mx
 
     if isinstance(tree, mx.array):
-        return mx.zeros((1,), tree.dtype) if tree.size == 0 else tree
+        return mx.zeros([d or 1 for d in tree.shape], tree.dtype) if tree.size == 0 else tree
     if isinstance(tree, (list, tuple)):
         return [_without_empty(t) for t in tree]
     return tree
 
 
 def _writable(layer):
-    """``layer``, or a stand-in under its class name whose state has one
-    element for each zero-size array; and where those arrays were."""
+    """``layer``, or a stand-in under its class name whose state has no
+    zero-size array; and where those arrays were."""
     state = layer.state
-    empty = _empty_arrays(state)
+    empty = [] if _mlx_writes_empty() else _empty_arrays(state)
     if not empty:
         return layer, []
     fields = {"state": _without_empty(state)}
@@ -121,26 +138,31 @@ def _writable(layer):
     return stand_in, [[list(p), list(x.shape), str(x.dtype).rsplit(".", 1)[-1]] for p, x in empty]
 
 
-def _put_back_empty(cache, record):
-    """Restores the zero-size arrays ``_writable`` stood in for."""
-    import mlx.core as mx
-
-    for i, arrays in json.loads(record).items():
-        for path, shape, dtype in arrays:
-            target, path = cache[int(i)], list(path)
-            while isinstance(getattr(target, "caches", None), (list, tuple)):
-                target, path = target.caches[path[0]], path[1:]  # a CacheList member
-            state = list(target.state)
-            state[path[0]] = _replace(state[path[0]], path[1:], mx.zeros(shape, getattr(mx, dtype)))
-            target.state = state
-
-
 def _replace(tree, path, value):
+    # A copy of a nested state with ``value`` at ``path``.
     if not path:
         return value
     items = list(tree)
     items[path[0]] = _replace(items[path[0]], path[1:], value)
     return items
+
+
+def _put_back_empty(file_name, cache, record):
+    """Restores the zero-size arrays ``_writable`` stood in for."""
+    import mlx.core as mx
+
+    try:
+        for i, arrays in json.loads(record).items():
+            layer = cache[int(i)]
+            state = layer.state
+            for path, shape, dtype in arrays:
+                state = _replace(state, path, mx.zeros(shape, getattr(mx, dtype)))
+            layer.state = state
+    except (ValueError, TypeError, LookupError, AttributeError) as e:
+        raise CorruptCacheFile(
+            f"prompt cache file {file_name}: its {EMPTY} record does not fit the "
+            f"cache it was saved with ({type(e).__name__}: {e})"
+        )
 
 
 def checked_save(original, is_latent):
@@ -184,7 +206,7 @@ def checked_load(original):
             metadata.pop(CHECKSUM, None)
             record = metadata.pop(EMPTY, None)
             if record is not None:
-                _put_back_empty(cache, record)
+                _put_back_empty(file_name, cache, record)
         return (cache, metadata) if return_metadata else cache
 
     load_prompt_cache.mlx_lm_mla_original = original

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from mlx_lm.models.cache import load_prompt_cache
+import mlx_lm.models.cache as cache_module
 
 from mlx_lm_mla import QuantizedLatentCache, tiny
 from mlx_lm_mla.latent import leaves
@@ -37,19 +37,27 @@ def cache_prompt(model, path, disabled=False):
     )
 
 
-def saved(request, tmp_path_factory):
-    model_type, overrides = MODELS[request.param]
-    return tiny.save_model(tmp_path_factory.mktemp(request.param) / "model", model_type, **overrides)
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def saved(name, folder):
+    # Each model is written once for the module, whichever fixture asks.
+    if not (folder / name / "config.json").exists():
+        model_type, overrides = MODELS[name]
+        tiny.save_model(folder / name, model_type, **overrides)
+    return folder / name
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def model(request, tmp_path_factory):
-    return saved(request, tmp_path_factory)
+def model(request, folder):
+    return saved(request.param, folder)
 
 
 @pytest.fixture(scope="module", params=GLM)
-def glm_model(request, tmp_path_factory):
-    return saved(request, tmp_path_factory)
+def glm_model(request, folder):
+    return saved(request.param, folder)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,7 @@ def saved_prompt(model, tmp_path_factory):
 def test_cache_prompt_with_kv_bits_saves_a_quantized_latent(saved_prompt, installed):
     path, out = saved_prompt
     assert out.returncode == 0, out.stderr
-    cache = load_prompt_cache(str(path))
+    cache = cache_module.load_prompt_cache(str(path))  # as patched now
     latent = [m for c in cache for m in leaves([c]) if type(m) is QuantizedLatentCache]
     assert len(latent) == len(cache) and all(m.latent_bits == 4 and m.offset > 8 for m in latent)
 

@@ -86,6 +86,44 @@ def test_a_zero_size_array_saves_and_loads_back_as_it_was(installed, tmp_path):
     assert v_loaded.shape == v.shape == (1, 1, 7, 0) and mx.array_equal(k_loaded, k)
 
 
+def test_a_zero_size_array_inside_a_cache_list_loads_back_in_its_place(installed, tmp_path):
+    keys = mx.random.normal((1, 1, 6, 8))
+    latent, indexer = cache_module.KVCache(), cache_module.KVCache()
+    latent.update_and_fetch(keys, keys[..., :4])
+    indexer.update_and_fetch(keys, mx.zeros((1, 1, 6, 0)))
+    path = str(tmp_path / "list.safetensors")
+    save_prompt_cache(path, [cache_module.CacheList(latent, indexer)])
+    loaded = cache_module.load_prompt_cache(path)[0]
+    step = (mx.ones((1, 1, 1, 8)), mx.zeros((1, 1, 1, 0)))
+    for original, restored in zip((latent, indexer), loaded.caches):
+        v = step[1] if original is indexer else step[0][..., :4]
+        assert all(mx.array_equal(a, b) for a, b in zip(
+            original.update_and_fetch(step[0], v), restored.update_and_fetch(step[0], v)))
+
+
+def test_a_cache_trimmed_to_nothing_saves_and_loads_back_empty(installed, tmp_path):
+    cache = cache_module.KVCache()
+    cache.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
+    cache.trim(4)
+    path = str(tmp_path / "trimmed.safetensors")
+    save_prompt_cache(path, [cache])
+    loaded = cache_module.load_prompt_cache(path)[0]
+    assert loaded.offset == 0
+    k, v = loaded.update_and_fetch(mx.zeros((1, 1, 2, 8)), mx.zeros((1, 1, 2, 8)))
+    assert k.shape == v.shape == (1, 1, 2, 8)
+
+
+def test_a_file_whose_zero_size_record_does_not_fit_is_refused_by_name(installed, tmp_path):
+    from mlx_lm_mla.files import EMPTY
+
+    cache = cache_module.KVCache()
+    cache.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
+    path = str(tmp_path / "record.safetensors")
+    save_prompt_cache(path, [cache], metadata={EMPTY: '{"5": [[[1], [1, 1, 4, 0], "float32"]]}'})
+    with pytest.raises(CorruptCacheFile, match=f"record.safetensors: its {EMPTY} record does not fit"):
+        cache_module.load_prompt_cache(path)
+
+
 def test_truncated_file_is_refused_by_name(installed, tmp_path):
     model, _ = tiny.build_model("glm4_moe_lite")
     path = tmp_path / "c.safetensors"
