@@ -56,9 +56,6 @@ def _ended(request):
         _taken.skip_insert = getattr(request, "mlx_lm_mla_prompt", None)
 
 
-_leaves = leaves  # layer caches, CacheList members too
-
-
 def cache_problem(caches, length):
     """Why a prompt cache cannot hold ``length`` tokens, or None if it can:
     every layer with an integer ``offset`` holds exactly ``length`` tokens,
@@ -71,7 +68,7 @@ def cache_problem(caches, length):
 
     if not isinstance(caches, (list, tuple)) or not caches:
         return f"not a list of layer caches: {type(caches).__name__}"
-    for i, c in enumerate(_leaves(caches)):
+    for i, c in enumerate(leaves(caches)):
         name = type(c).__name__
         offset = getattr(c, "offset", None)
         if isinstance(offset, int) and offset != length:
