@@ -101,41 +101,36 @@ def _mlx_writes_empty():
     return True
 
 
-def _empty_arrays(tree, path=()):
-    # (path, array) of every zero-size array in a nested state.
+def _is_empty(x):
     import mlx.core as mx
 
-    if isinstance(tree, mx.array):
-        return [(path, tree)] if tree.size == 0 else []
-    if isinstance(tree, (list, tuple)):
-        return [f for i, t in enumerate(tree) for f in _empty_arrays(t, path + (i,))]
-    return []
+    return isinstance(x, mx.array) and x.size == 0
 
 
-def _without_empty(tree):
-    # Each zero-size array as one of the same rank, so setters that read its
+def _stand_in(x):
+    # A zero-size array as one of the same rank, so setters that read its
     # length (KVCache: keys.shape[2]) still take it until it is put back.
     import mlx.core as mx
 
-    if isinstance(tree, mx.array):
-        return mx.zeros([d or 1 for d in tree.shape], tree.dtype) if tree.size == 0 else tree
-    if isinstance(tree, (list, tuple)):
-        return [_without_empty(t) for t in tree]
-    return tree
+    return mx.zeros([d or 1 for d in x.shape], x.dtype) if _is_empty(x) else x
 
 
 def _writable(layer):
     """``layer``, or a stand-in under its class name whose state has no
     zero-size array; and where those arrays were."""
+    from mlx.utils import tree_flatten, tree_map
+
+    if _mlx_writes_empty():
+        return layer, []
     state = layer.state
-    empty = [] if _mlx_writes_empty() else _empty_arrays(state)
+    empty = [(path, x) for path, x in tree_flatten(state) if _is_empty(x)]
     if not empty:
         return layer, []
-    fields = {"state": _without_empty(state)}
+    fields = {"state": tree_map(_stand_in, state)}
     if hasattr(layer, "meta_state"):  # mlx-lm 0.31 saves it
         fields["meta_state"] = layer.meta_state
     stand_in = type(type(layer).__name__, (), fields)()
-    return stand_in, [[list(p), list(x.shape), str(x.dtype).rsplit(".", 1)[-1]] for p, x in empty]
+    return stand_in, [[path, list(x.shape), str(x.dtype).rsplit(".", 1)[-1]] for path, x in empty]
 
 
 def _replace(tree, path, value):
@@ -156,7 +151,8 @@ def _put_back_empty(file_name, cache, record):
             layer = cache[int(i)]
             state = layer.state
             for path, shape, dtype in arrays:
-                state = _replace(state, path, mx.zeros(shape, getattr(mx, dtype)))
+                where = [int(p) for p in path.split(".")]  # tree_flatten's path
+                state = _replace(state, where, mx.zeros(shape, getattr(mx, dtype)))
             layer.state = state
     except (ValueError, TypeError, LookupError, AttributeError) as e:
         raise CorruptCacheFile(

@@ -119,7 +119,7 @@ def test_a_file_whose_zero_size_record_does_not_fit_is_refused_by_name(installed
     cache = cache_module.KVCache()
     cache.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
     path = str(tmp_path / "record.safetensors")
-    save_prompt_cache(path, [cache], metadata={EMPTY: '{"5": [[[1], [1, 1, 4, 0], "float32"]]}'})
+    save_prompt_cache(path, [cache], metadata={EMPTY: '{"5": [["1", [1, 1, 4, 0], "float32"]]}'})
     with pytest.raises(CorruptCacheFile, match=f"record.safetensors: its {EMPTY} record does not fit"):
         cache_module.load_prompt_cache(path)
 
