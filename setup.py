@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH = "mlx_lm_mla.pth"
@@ -26,8 +26,8 @@ here = Path(__file__).parent
 version = {}
 exec((here / "mlx_lm_mla" / "_version.py").read_text(), version)
 
-# The range of mlx-lm this package is tested against (see patch.py).
-MLX_LM = "mlx-lm{extra}>=0.31.2,<0.33"
+# The range of mlx-lm this package is tested against: one place, _version.py.
+MLX_LM = "mlx-lm{extra}" + version["MLX_LM_RANGE"]
 
 setup(
     name="mlx-lm-mla",
@@ -37,9 +37,9 @@ setup(
     long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
-    packages=["mlx_lm_mla"],
+    packages=find_packages(include=["mlx_lm_mla", "mlx_lm_mla.*"]),
     python_requires=">=3.10",
-    # packaging reads versions (patch.py, lmstudio.py), safetensors checks cache files (files.py)
+    # packaging reads versions (patches, lmstudio), safetensors checks cache files (patches/files.py)
     install_requires=[MLX_LM.format(extra=""), "tokenizers", "packaging", "safetensors"],
     extras_require={
         "cpu": [MLX_LM.format(extra="[cpu]")],

@@ -16,7 +16,7 @@ The ratio ours/stock is given where both exist (unquantized).
 Stock mlx-lm's server (0.32.x) does not batch when ``--kv-bits`` is set (its
 ``--help`` says so; ``ResponseGenerator._is_batchable``): such requests are
 served one at a time. The package's hooks keep MLA models batched under
-``--kv-bits`` (``hooks.batchable_with_kv_bits``) in versions that have them.
+``--kv-bits`` (``patches/server.py``) in versions that have them.
 This script does not work around either; it measures what happens: the
 "batched" column. "overlap" is the largest number of requests that were streaming
 tokens at the same moment (first content chunk to end of stream): N when the

@@ -15,8 +15,10 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+import mlx_lm
 import mlx_lm_mla
-from mlx_lm_mla import QuantizedLatentCache, tiny
+from mlx_lm_mla import QuantizedLatentCache
+from mlx_lm_mla.testing import tiny
 
 
 class RopeQuantizedCache(QuantizedLatentCache):
@@ -76,7 +78,7 @@ def main():
     print(f"unquantized: {bytes_per_token(None, False):.0f} bytes/token/layer")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mlx_lm": mlx_lm_mla.patch.mlx_lm.__version__, "rows": rows}, f, indent=2)
+            json.dump({"mlx_lm": mlx_lm.__version__, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@ from ._version import __version__
 _EXPORTS = {
     "QuantizedLatentCache": "cache",
     "BatchQuantizedLatentCache": "cache",
-    "QuantizedRotatingLatentCache": "window",
+    "QuantizedRotatingLatentCache": "cache",
     "quantize_latent": "cache",
-    "install": "patch",
-    "installed": "patch",
-    "uninstall": "patch",
+    "install": "patches",
+    "installed": "patches",
+    "missing": "patches",
+    "uninstall": "patches",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

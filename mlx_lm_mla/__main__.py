@@ -1,24 +1,31 @@
-"""Command line: ``mlx-lm-mla repro`` replays the reported failure;
-``mlx-lm-mla serve [mlx_lm.server flags]`` runs the server with the fix;
-``mlx-lm-mla upstream-patch DIR`` writes the upstream form of the fix into
-an mlx-lm source tree; ``mlx-lm-mla lmstudio install|status|uninstall``
-puts the fix into LM Studio's MLX engine. Also ``python -m mlx_lm_mla ...``."""
+"""The command line, ``mlx-lm-mla COMMAND`` or ``python -m mlx_lm_mla COMMAND``."""
 
 import sys
+
+COMMANDS = {
+    "repro": ("mlx_lm_mla.repro", "replay the reported failure: stock mlx-lm against the fix"),
+    "serve": ("mlx_lm_mla.server", "run mlx_lm.server with the fix (same flags)"),
+    "upstream-patch": ("mlx_lm_mla.upstream", "write the upstream form of the fix into an mlx-lm tree"),
+    "lmstudio": ("mlx_lm_mla.lmstudio", "install|status|uninstall the fix in LM Studio's MLX engine"),
+}
+
+
+def usage():
+    lines = [f"usage: mlx-lm-mla {{{','.join(COMMANDS)}}} [options]", "", "commands:"]
+    lines += [f"  {name:<16}{about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "mlx-lm-mla COMMAND --help shows a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    commands = {
-        "repro": "mlx_lm_mla.repro",
-        "serve": "mlx_lm_mla.server",
-        "upstream-patch": "mlx_lm_mla.upstream",
-        "lmstudio": "mlx_lm_mla.lmstudio",
-    }
-    if not argv or argv[0] not in commands:
-        print(f"usage: mlx-lm-mla {{{','.join(commands)}}} [options]", file=sys.stderr)
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr)
         return 2
-    module = __import__(commands[argv[0]], fromlist=["main"])
+    module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
     return module.main(argv[1:])
 
 

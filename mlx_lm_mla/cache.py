@@ -7,14 +7,15 @@ caches serve them well; only quantization goes wrong, since
 ``QuantizedKVCache`` hands the model lists where it expects arrays.
 
 The caches here subclass stock's, so other programs that know stock's class
-names keep working; ``hooks.py`` turns a stock cache into one of them in
-place. The upstream form of the fix is its own code (``upstream_cache.py``).
+names keep working; ``patches/cache.py`` turns a stock cache into one of
+them in place. The upstream form of the fix is its own code
+(``upstream_cache.py``).
 """
 
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 def _one_head(cache):
     # The structure every MLA latent cache has: one head, non-zero widths.
@@ -54,8 +55,7 @@ def dequantize_bytes(packed, scales, biases, group_size, bits):
     return (q * scales[..., None] + biases[..., None]).reshape(*lead, -1)
 
 
-# Serialized formats start with the layout's name; one without a name is the
-# earlier layout (latent, scales and biases in the keys), read by converting.
+# Serialized formats start with the layout's name.
 LAYOUT = "packed-keys"
 
 
@@ -154,10 +154,11 @@ class _PackedLatent:
         return ",".join(map(str, (LAYOUT, *self._format)))
 
     def _read_format(self, text):
-        fields = str(text).split(",")
-        self._earlier_layout = fields[0] != LAYOUT
+        layout, *fields = str(text).split(",")
         try:
-            g, b, w, d, rw, rd = fields[0 if self._earlier_layout else 1 :]
+            if layout != LAYOUT:
+                raise ValueError(layout)
+            g, b, w, d, rw, rd = fields
             getattr(mx, d), getattr(mx, rd)
             self._set_format(int(g), int(b), int(w), d, int(rw), rd)
         except (ValueError, AttributeError):
@@ -167,8 +168,6 @@ class _PackedLatent:
         (w, s, r), keys, values = self._sizes(), self.keys, self.values
         if keys is None and values is None:  # an empty cache: nothing stored yet
             return
-        if getattr(self, "_earlier_layout", False):
-            keys, values = self._from_earlier_layout(keys, values, w, s, r)
         shapes = [getattr(x, "shape", type(x).__name__) for x in (keys, values)]
         if not (
             all(isinstance(x, mx.array) and x.dtype == mx.uint8 for x in (keys, values))
@@ -181,14 +180,6 @@ class _PackedLatent:
                 f"{w}) and (B, 1, L, {r + 2 * s}), got {shapes}"
             )
         self.keys, self.values = keys, values
-
-    def _from_earlier_layout(self, keys, values, w, s, r):
-        # Keys held [latent | scales | biases], values the RoPE key.
-        del self._earlier_layout
-        if not (isinstance(keys, mx.array) and isinstance(values, mx.array)) or (
-            keys.shape[-1], values.shape[-1]) != (w + 2 * s, r):
-            return keys, values  # named by the shape check
-        return keys[..., :w], mx.concatenate([values, keys[..., w:]], axis=-1)
 
 
 class QuantizedLatentCache(_PackedLatent, KVCache):
@@ -258,10 +249,20 @@ def extend_latent(batch, other, extend):
     return extend(other)
 
 
+class QuantizedRotatingLatentCache(_PackedLatent, RotatingKVCache):
+    """A ``RotatingKVCache`` whose latent is quantized. Stock cannot quantize
+    a rolling window at all; a latent window can, since the base class
+    rotates the latent's bytes like any keys. It serves one sequence: its
+    merge, ``BatchRotatingKVCache.merge``, refuses it (patches/cache.py).
+    Run time only: the upstream form refuses to quantize a window, as stock
+    does for every model."""
+
+
 # Which quantized class each cache class turns into.
 QUANTIZED_LATENT = {
     KVCache: QuantizedLatentCache,
     BatchKVCache: BatchQuantizedLatentCache,
+    RotatingKVCache: QuantizedRotatingLatentCache,
 }
 
 

@@ -37,12 +37,13 @@ def serve_requests(
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from . import patch, tiny
+    from . import patches
+    from .testing import tiny
 
     if fixed:
-        patch.install()
+        patches.install()
     else:
-        patch.uninstall()
+        patches.uninstall()
 
     model, config = tiny.build_model("glm4_moe_lite", **MODEL_OVERRIDES)
     vocab = config["vocab_size"]

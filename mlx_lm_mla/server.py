@@ -5,7 +5,7 @@ import sys
 
 
 def main(argv=None):
-    from .patch import install
+    from .patches import install
 
     install()
     import mlx_lm.server

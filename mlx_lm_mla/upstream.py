@@ -27,6 +27,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from . import mla
+
 HERE = Path(__file__).parent
 MARKER = "# --- upstream: "
 SIGNATURE = "class LatentKVCache("  # present once the tree is patched
@@ -105,17 +107,11 @@ def cache_code():
 
 
 def _models(root):
-    """(path, source) of each model module whose attention caches a latent
-    (absorbed ``embed_q``), or that wraps one (imports from such a module)."""
+    """(path, source) of each MLA model module of the tree, as ``mla.py``
+    finds them: an attention that caches a latent, or a model wrapping one."""
     models = root / "mlx_lm" / "models"
-    sources = {p: p.read_text(encoding="utf-8") for p in sorted(models.glob("*.py"))}
-    found = {p for p, s in sources.items() if "kv_lora_rank" in s and "embed_q" in s}
-    wrappers = {
-        p
-        for p, s in sources.items()
-        if p not in found and any(f"from .{f.stem} import" in s for f in found)
-    }
-    return [(p, sources[p]) for p in sorted(found | wrappers)]
+    paths = [models / f"{name}.py" for name in mla.model_types(models)]
+    return [(p, p.read_text(encoding="utf-8")) for p in paths]
 
 
 def add_import(source, names, module=r"\.cache"):

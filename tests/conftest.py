@@ -3,7 +3,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
-from mlx_lm_mla.latent import leaves  # layer caches, CacheList members too
+from mlx_lm_mla.mla import leaves  # layer caches, CacheList members too
 
 LATENT = 64
 ROPE = 16

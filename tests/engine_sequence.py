@@ -82,7 +82,7 @@ def serve(model_path, requests=6, bits=4):
             served += len(engine.request(prompt)) > 0
         except Exception as e:  # a failed request; the engine goes on to the next
             errors.append(f"{type(e).__name__}: {e}")
-    patch = sys.modules.get("mlx_lm_mla.patch")  # only the start-up hook can have loaded it
+    patch = sys.modules.get("mlx_lm_mla.patches")  # only the start-up hook can have loaded it
     return {
         "served": served,
         "errors": len(errors),

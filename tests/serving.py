@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from mlx_lm_mla import tiny
+from mlx_lm_mla.testing import tiny
 
 SYSTEM = (
     "You are a careful assistant that reasons step by step about code. "
@@ -41,15 +41,18 @@ def free_port():
 
 class Server:
     """``python -m mlx_lm.server`` started on 127.0.0.1 with the given flags;
-    the package activates through its start-up hook unless disabled."""
+    the package activates through its start-up hook unless disabled. With
+    ``faults`` (``point:n``), the fault-injecting server of the test kit."""
 
-    def __init__(self, model_path, *flags, disabled=False, env=None, log=None):
+    def __init__(self, model_path, *flags, disabled=False, env=None, log=None, faults=None):
         self.port = free_port()
         environ = dict(os.environ, **(env or {}))
         environ.pop("MLX_LM_MLA_DISABLE", None)
         if disabled:
             environ["MLX_LM_MLA_DISABLE"] = "1"
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_path)]
+        # faults ("point:n"): the server of mlx_lm_mla.testing.faults.
+        server = ["mlx_lm_mla.testing.faults", faults] if faults else ["mlx_lm.server"]
+        cmd = [sys.executable, "-m", *server, "--model", str(model_path)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
         self.log = open(log or os.devnull, "w")
         self.proc = subprocess.Popen(cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT)

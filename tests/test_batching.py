@@ -6,7 +6,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlx_lm_mla import QuantizedLatentCache, tiny
+from mlx_lm_mla import QuantizedLatentCache
+from mlx_lm_mla.testing import tiny
 
 PROMPTS = [
     [(3 * i + 5) % 190 + 5 for i in range(n)] for n in (5, 17, 9, 12)
@@ -92,7 +93,7 @@ def serve_settings(model, bits=4, start=12):
     """What the server hook does when mlx_lm.server runs with --kv-bits."""
     from types import SimpleNamespace
 
-    from mlx_lm_mla.hooks import batchable_with_kv_bits
+    from mlx_lm_mla.patches.server import batchable_with_kv_bits
 
     server = SimpleNamespace(
         cli_args=SimpleNamespace(kv_bits=bits, kv_group_size=64, quantized_kv_start=start),

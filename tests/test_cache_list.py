@@ -15,9 +15,10 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from mlx_lm_mla import QuantizedLatentCache, tiny
-from mlx_lm_mla.files import CHECKSUM
-from mlx_lm_mla.patch import mlx_lm_version
+from mlx_lm_mla import QuantizedLatentCache
+from mlx_lm_mla.testing import tiny
+from mlx_lm_mla.patches.files import CHECKSUM
+from mlx_lm_mla.patches import mlx_lm_version
 
 from serving import Server, cached_tokens, four_clients, questions, server_supports
 from test_batching import drain, serve_settings

@@ -9,8 +9,9 @@ import sys
 import pytest
 import mlx_lm.models.cache as cache_module
 
-from mlx_lm_mla import QuantizedLatentCache, tiny
-from mlx_lm_mla.latent import leaves
+from mlx_lm_mla import QuantizedLatentCache
+from mlx_lm_mla.testing import tiny
+from mlx_lm_mla.mla import leaves
 
 MODELS = {
     "glm-widths": ("glm4_moe_lite", {"kv_lora_rank": 128, "qk_rope_head_dim": 64}),

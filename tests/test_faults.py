@@ -2,7 +2,7 @@
 request's sampler ends the request it hits with a clear error, and the
 server then serves the next requests exactly as a fresh server does:
 greedy, sampled without a seed and sampled with a seed, streamed and not
-(MLX_LM_MLA_FAULT, see faults.py)."""
+(see mlx_lm_mla/testing/faults.py)."""
 
 import threading
 import time
@@ -75,8 +75,7 @@ def pairs_until_a_failure(server, **extra):
 
 @pytest.mark.parametrize("point,flags", POINTS, ids=[p for p, _ in POINTS])
 def test_a_fault_fails_one_request_and_the_next_are_served_as_on_a_fresh_server(point, flags, model_path, expected):
-    env = {"MLX_LM_MLA_FAULT": f"{point}:1"}
-    with Server(model_path, *flags, env=env) as server:
+    with Server(model_path, *flags, faults=f"{point}:1") as server:
         # A request's own sampler (greedy is one shared sampler for all rows).
         failures = pairs_until_a_failure(server, **({"temperature": 0.8} if point == "sample" else {}))
         after = [server.chat(q, max_tokens=24)[0] for q in CHECKS], served_as_fresh(server, CHECKS)

@@ -14,8 +14,9 @@ import pytest
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlx_lm_mla import QuantizedLatentCache, tiny
-from mlx_lm_mla.latent import leaves
+from mlx_lm_mla import QuantizedLatentCache
+from mlx_lm_mla.testing import tiny
+from mlx_lm_mla.mla import leaves
 
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(144)]
 GROUP = 64

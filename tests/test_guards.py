@@ -7,7 +7,8 @@ import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.server import ResponseGenerator
 
-from mlx_lm_mla.guards import TRIES, cache_problem
+from mlx_lm_mla.guards.recovery import TRIES
+from mlx_lm_mla.guards.reuse import cache_problem
 
 from conftest import latent_kv
 
@@ -150,3 +151,16 @@ if hasattr(ResponseGenerator, "generation_available"):  # mlx-lm 0.32 reports a 
         generator._generation_thread.join(timeout=10)
         assert not generator._generation_thread.is_alive()
         assert provider.tries == TRIES and not generator.generation_available()
+
+
+def test_a_no_store_request_s_tokens_neither_fetch_nor_store(installed):
+    from mlx_lm_mla.guards.reuse import NoStore
+
+    store = cache_module.LRUPromptCache()
+    store.insert_cache("m", TOKENS, latent_cache(len(TOKENS)))
+    tokens = NoStore(TOKENS + [40])
+    assert store.fetch_nearest_cache("m", tokens) == (None, tokens)
+    key = tokens[:]  # the server slices and extends the prompt into its keys
+    key.append(41)
+    store.insert_cache("m", key, latent_cache(len(key)))
+    assert len(store) == 1 and store.fetch_nearest_cache("m", list(key))[1] == [40, 41]

@@ -9,7 +9,8 @@ import mlx_lm.models.cache as cache_module
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from mlx_lm_mla import QuantizedLatentCache, latent, tiny
+from mlx_lm_mla import QuantizedLatentCache, mla
+from mlx_lm_mla.testing import tiny
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(40)]
 SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its RoPE key
@@ -26,10 +27,10 @@ def generate(model, cache, prompt, bits, group_size=64, start=16, n=6):
 
 
 def test_the_attention_classes_are_read_from_the_installed_models(installed):
-    names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in latent.ATTENTION}
+    names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in mla.ATTENTION}
     assert {"deepseek_v3.DeepseekV3Attention", "glm4_moe_lite.Glm4MoeLiteAttention"} <= names
-    dsa = next(c for c in latent.ATTENTION if c.__name__ == "DeepseekV32Attention")
-    assert latent.ATTENTION[dsa] == 0  # it writes the first member of its CacheList
+    dsa = next(c for c in mla.ATTENTION if c.__name__ == "DeepseekV32Attention")
+    assert mla.ATTENTION[dsa] == 0  # it writes the first member of its CacheList
 
 
 def test_the_source_says_which_cache_an_attention_writes():
@@ -53,7 +54,7 @@ class Twice:
         cache[0].update_and_fetch(x, x)
         return cache[1].update_and_fetch(x, x)
 '''
-    assert latent.scan_source(source) == ({"Sparse": 1}, ["Twice"])
+    assert mla.scan_source(source) == ({"Sparse": 1}, ["Twice"])
 
 
 def test_a_latent_as_wide_as_its_rope_key_is_quantized_across_requests(installed):
@@ -124,10 +125,10 @@ def test_merge_and_extract_stay_known(installed):
     _, a = written(**SQUARE)
     _, b = written(**SQUARE)
     batch = KVCache.merge([a[0], b[0]])
-    assert latent.is_latent(batch)
+    assert mla.is_latent(batch)
     batch.filter([1])
     single = batch.extract(0)
-    assert latent.is_latent(single)
+    assert mla.is_latent(single)
     assert single.to_quantized(group_size=64, bits=4) is single
 
 
@@ -136,7 +137,7 @@ def test_a_restored_cache_is_known_again_once_its_model_writes_it(installed):
     restored = [cache_module.KVCache() for _ in cache]
     for c, r in zip(cache, restored):
         r.state = c.state
-    assert not latent.is_latent(restored[0])  # no model has written it yet: square widths
+    assert not mla.is_latent(restored[0])  # no model has written it yet: square widths
     generate(model, restored, PROMPT[20:], bits=4, start=0)
     assert all(type(c) is QuantizedLatentCache for c in restored)
 
@@ -160,7 +161,7 @@ def test_uninstall_forgets_the_attention_classes(stock):
     from mlx_lm_mla import install, uninstall
 
     install()
-    attention = next(iter(latent.ATTENTION))
+    attention = next(iter(mla.ATTENTION))
     assert "mlx_lm_mla_original" in dir(attention.__call__)
     uninstall()
-    assert latent.ATTENTION == {} and not hasattr(attention.__call__, "mlx_lm_mla_original")
+    assert mla.ATTENTION == {} and not hasattr(attention.__call__, "mlx_lm_mla_original")

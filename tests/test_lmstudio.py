@@ -36,7 +36,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlx_lm_mla import __version__, lmstudio, tiny
+from mlx_lm_mla import __version__, lmstudio
+from mlx_lm_mla.lmstudio import installer
+from mlx_lm_mla.testing import tiny
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -315,7 +317,7 @@ def test_uninstall_leaves_the_layer_byte_for_byte_as_before(layout, cli):
 
 def test_install_upgrades_an_older_install_in_place(layout, cli, monkeypatch):
     before = tree(layout.app)
-    monkeypatch.setattr(lmstudio, "__version__", "0.0.9")
+    monkeypatch.setattr(installer, "__version__", "0.0.9")
     assert cli("install")[0] == 0
     monkeypatch.undo()
     try:
@@ -442,7 +444,7 @@ def test_a_write_that_fails_midway_leaves_the_layer_as_it_was(layout, cli, monke
             raise OSError(28, "No space left on device")
         replace(source, target)
 
-    monkeypatch.setattr(lmstudio.os, "replace", full_disk)
+    monkeypatch.setattr(installer.os, "replace", full_disk)
     code, out, err = cli("install")
     assert code == 1 and out == "" and "No space left on device" in err and "as it was" in err
     assert tree(layout.app) == before

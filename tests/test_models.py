@@ -6,9 +6,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_lm_mla import QuantizedLatentCache, tiny
-from mlx_lm_mla.latent import is_latent
-from mlx_lm_mla.hooks import count_latent_attention
+from mlx_lm_mla import QuantizedLatentCache
+from mlx_lm_mla.testing import tiny
+from mlx_lm_mla.mla import is_latent
+from mlx_lm_mla.mla import latent_modules
 
 from conftest import leaves
 
@@ -37,7 +38,7 @@ def test_every_latent_attention_keeps_the_stock_cache(model_type, installed, sto
     caches = make_prompt_cache(model)
     assert [type(c) for c in leaves(caches)] == stock_caches(model)
     model(mx.array([PROMPT[:5]]), cache=caches)
-    expected = sum(count_latent_attention(layer) for layer in model.layers)
+    expected = sum(len(latent_modules(layer)) for layer in model.layers)
     assert expected > 0 and len(latent_caches(caches)) == expected
     assert all(type(c) is KVCache for c in latent_caches(caches))
 

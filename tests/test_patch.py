@@ -10,7 +10,8 @@ import mlx_lm.models.deepseek_v3 as deepseek_v3
 import pytest
 
 import mlx_lm_mla
-from mlx_lm_mla import QuantizedLatentCache, patch, tiny
+from mlx_lm_mla import QuantizedLatentCache, patches
+from mlx_lm_mla.testing import tiny
 
 
 
@@ -22,10 +23,10 @@ def test_install_registers_classes_where_load_prompt_cache_looks(stock):
 
 
 def test_install_touches_only_the_mla_attention_calls_of_model_classes(stock):
-    from mlx_lm_mla import latent
+    from mlx_lm_mla import mla
 
     mlx_lm_mla.install()
-    attention = {f"{c.__module__}.{c.__qualname__}.__call__" for c in latent.ATTENTION}
+    attention = {f"{c.__module__}.{c.__qualname__}.__call__" for c in mla.ATTENTION}
     in_models = {label for label in mlx_lm_mla.installed() if label.startswith("mlx_lm.models.") and
                  not label.startswith("mlx_lm.models.cache.")}
     assert attention and in_models == attention
@@ -64,12 +65,12 @@ def test_uninstalled_caches_quantize_as_stock_again(stock):
 
 
 def test_the_installed_mlx_lm_is_in_the_supported_range():
-    assert patch.is_supported(), mlx_lm.__version__
+    assert patches.is_supported(), mlx_lm.__version__
 
 
 def test_outside_the_supported_range_it_warns_once(stock, monkeypatch):
-    monkeypatch.setattr(patch, "SUPPORTED_MLX_LM", ((0, 1, 0), (0, 2, 0)))
-    monkeypatch.setattr(patch, "_warned", False)
+    monkeypatch.setattr(patches, "MLX_LM_RANGE", ">=0.1.0,<0.2.0")
+    monkeypatch.setattr(patches, "_warned", False)
     with pytest.warns(RuntimeWarning, match="tested with mlx-lm 0.1.0"):
         mlx_lm_mla.install()
     mlx_lm_mla.uninstall()
@@ -82,7 +83,7 @@ def test_no_patch_is_missing_at_this_mlx_lm(stock):
     import mlx_lm.server  # noqa: F401 (its guards are applied with it)
 
     mlx_lm_mla.install()
-    assert patch.missing() == []
+    assert patches.missing() == []
     assert "mlx_lm.server.APIHandler.handle_completion" in mlx_lm_mla.installed()
 
 
@@ -90,12 +91,48 @@ def test_a_patch_whose_target_is_gone_is_named_and_warned_once(stock, monkeypatc
     from mlx_lm.server import ResponseGenerator
 
     monkeypatch.delattr(ResponseGenerator, "_is_batchable")
-    monkeypatch.setattr(patch, "_warned_missing", set())
+    monkeypatch.setattr(patches, "_warned_missing", set())
     with pytest.warns(RuntimeWarning, match=r"ResponseGenerator\._is_batchable"):
         mlx_lm_mla.install()
-    assert patch.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
+    assert patches.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
     mlx_lm_mla.uninstall()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mlx_lm_mla.install()  # no second warning
-    assert patch.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
+    assert patches.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
+
+
+def test_every_private_name_the_package_uses_is_as_expected_at_this_mlx_lm():
+    from mlx_lm_mla.patches import contract
+
+    assert {p.label: contract.problem(p) for p in contract.PRIVATE} == {p.label: None for p in contract.PRIVATE}
+
+
+def test_a_private_method_with_other_parameters_is_named_and_its_feature_is_off(stock, monkeypatch):
+    from mlx_lm.server import ResponseGenerator
+
+    monkeypatch.setattr(ResponseGenerator, "_tokenize", lambda self, request, tokenizer, args: None)
+    monkeypatch.setattr(patches, "_warned_missing", set())
+    with pytest.warns(RuntimeWarning, match=r"_tokenize.*switched off: request checks"):
+        mlx_lm_mla.install()
+    assert patches.missing() == ["mlx_lm.server.ResponseGenerator._tokenize"]
+    assert "mlx_lm.server.ResponseGenerator._tokenize" not in mlx_lm_mla.installed()
+
+
+def test_a_renamed_batch_attribute_turns_kv_bits_batching_off_loudly(stock, monkeypatch):
+    import mlx_lm.server  # noqa: F401 (its patches are applied with it)
+
+    generate = importlib.import_module("mlx_lm.generate")
+
+    class BatchGenerator(generate.BatchGenerator):  # keeps its batches under other names
+        def _next(self):
+            return super()._next()
+
+    monkeypatch.setattr(generate, "BatchGenerator", BatchGenerator)
+    monkeypatch.setattr(patches, "_warned_missing", set())
+    with pytest.warns(RuntimeWarning, match="switched off: --kv-bits batching of MLA models"):
+        mlx_lm_mla.install()
+    assert "mlx_lm.generate.BatchGenerator._prompt_batch" in patches.missing()
+    assert not {"mlx_lm.generate.BatchGenerator._next", "mlx_lm.server.ResponseGenerator._is_batchable"} & set(
+        mlx_lm_mla.installed()
+    )

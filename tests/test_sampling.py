@@ -4,7 +4,7 @@ and mx.random's state is left as it was (sampling.py)."""
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_lm_mla import sampling
+from mlx_lm_mla.guards import sampling
 
 VOCAB = 64
 
@@ -65,3 +65,36 @@ def test_a_trial_leaves_the_random_state_as_it_found_it():
     assert "top_k" in sampling.trial(make_sampler(0.8, top_k=VOCAB * 10), [], VOCAB, mx.array([1]))
     sampler = make_sampler(0.8)
     assert [sampler(row()).item() for _ in range(4)] == expected
+
+
+def counting(builder, calls):
+    def build(*args):
+        calls.append(args)
+        return builder(*args)
+
+    return build
+
+
+def test_a_request_s_sampler_is_built_once_by_its_validation_and_run_as_its_row():
+    calls = []
+    make = counting(lambda args, tokenizer: make_sampler(0.8), calls)
+    args = Args()
+    assert sampling.sampling_problem(make, lambda a: [], None, args, VOCAB, [1, 2]) is None
+    row_sampler = sampling.guarded_make_sampler(make)(args, None)
+    assert len(calls) == 1 and isinstance(row_sampler, sampling.RowSampler)
+
+
+def test_a_request_s_processors_are_built_once_by_its_validation():
+    calls = []
+    penalty = counting(lambda args: [lambda tokens, logits: logits], calls)
+    args = Args()
+    assert sampling.sampling_problem(lambda a, t: make_sampler(0.8), penalty, None, args, VOCAB, [1, 2]) is None
+    processors = sampling.guarded_make_logits_processors(penalty)(args)
+    assert len(calls) == 1 and [type(p) for p in processors] == [sampling.RowProcessor]
+
+
+def test_the_greedy_sampler_every_request_shares_is_left_unwrapped():
+    greedy = make_sampler(0.0)
+    built = sampling.guarded_make_sampler(lambda args, tokenizer: greedy)(Args(), None)
+    shared = "<locals>" not in greedy.__qualname__  # mlx-lm 0.32: one module-level function
+    assert (built is greedy) == shared and isinstance(built, sampling.RowSampler) != shared

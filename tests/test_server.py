@@ -193,8 +193,8 @@ def test_after_a_refused_sampling_value_the_next_requests_are_served_as_on_a_fre
 
 
 def test_a_request_whose_sampler_fails_in_a_batch_ends_alone_and_the_others_decode_as_alone(model_path, fresh):
-    env = {"MLX_LM_MLA_FAULT": "sample:40"}  # one row's sampler, ~13 steps in
-    with Server(model_path, "--decode-concurrency", 4, env=env) as server:
+    # One row's sampler, ~13 steps in.
+    with Server(model_path, "--decode-concurrency", 4, faults="sample:40") as server:
         streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
         for s in streams:
             s.start()
@@ -247,7 +247,7 @@ def test_cache_prompt_false_marks_its_own_request_only(model_path):
 
 def test_a_failure_in_a_non_streamed_request_gets_one_http_status(model_path):
     body = {"prompt": "Alpha beta gamma", "max_tokens": 20, "temperature": 0.0}
-    with Server(model_path, "--decode-concurrency", 4, env={"MLX_LM_MLA_FAULT": "decode:3"}) as server:
+    with Server(model_path, "--decode-concurrency", 4, faults="decode:3") as server:
         failed = raw_post(server.port, "/v1/completions", json.dumps(body).encode())
         status, after = post_json(server.port, "/v1/completions", body)
     assert status_lines(failed) == ["HTTP/1.0 500 Internal Server Error"]

@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cac
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla import tiny
+from mlx_lm_mla.testing import tiny
 
 # Rope width 64: stock quantizes it in groups of 64 and fails in the model.
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64, "index_head_dim": 64}

@@ -1,7 +1,9 @@
-"""Fault injection, a test mode that is off unless asked for.
+"""Fault injection for tests: a server that fails where it is told to.
 
-``MLX_LM_MLA_FAULT=point:n`` makes the n-th call of ``point`` in the process
-raise ``InjectedFault`` (once). Points are the latent cache operations
+``python -m mlx_lm_mla.testing.faults point:n [mlx_lm.server flags]`` runs
+``mlx_lm.server`` with the fix, where the n-th call of ``point`` in the
+process raises ``InjectedFault`` (once). The runtime never imports this
+module. Points are the latent cache operations
 (``update_and_fetch``, ``trim``, ``merge``, ``extract``, ``filter``,
 ``extend``, ``to_quantized``), ``prefill`` (an update of more than one token),
 ``decode`` (an update of one token) and ``sample`` (one request's sampler in
@@ -12,7 +14,7 @@ leaves nothing behind.
 """
 
 import functools
-import os
+import sys
 import threading
 
 POINTS = (
@@ -33,15 +35,12 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def requested():
-    """(point, n) from MLX_LM_MLA_FAULT, or None."""
-    spec = os.environ.get("MLX_LM_MLA_FAULT", "").strip()
-    if not spec:
-        return None
-    point, _, n = spec.partition(":")
+def parse(spec):
+    """(point, n) from ``point:n``."""
+    point, _, n = spec.strip().partition(":")
     if point not in POINTS or not n.isdigit() or int(n) < 1:
         raise ValueError(
-            f"MLX_LM_MLA_FAULT={spec!r}: expected point:n with point one of "
+            f"fault {spec!r}: expected point:n with point one of "
             f"{', '.join(POINTS)} and n >= 1"
         )
     return point, int(n)
@@ -59,7 +58,7 @@ class _Trigger:
             self.left -= 1
             fire = self.left == 0
         if fire:
-            raise InjectedFault(f"injected fault at {point} (MLX_LM_MLA_FAULT)")
+            raise InjectedFault(f"injected fault at {point}")
 
 
 def wrap(function, name, trigger):
@@ -96,6 +95,42 @@ def wrap_traced(function, name, trigger):
     return faulty
 
 
-def make_trigger():
-    spec = requested()
-    return _Trigger(*spec) if spec else None
+def install(spec):
+    """Makes the operations of the caches an MLA model gets, exact or
+    quantized, fail at ``spec`` (``point:n``). Through the patch table, so
+    ``mlx_lm_mla.uninstall()`` takes them out too."""
+    import mlx_lm.models.cache as cache_module
+
+    from .. import patches
+    from ..guards import sampling
+    from ..patches import cache as cache_patches
+
+    trigger = _Trigger(*parse(spec))
+    patches.install()
+    single, batch = cache_module.KVCache, cache_module.BatchKVCache
+    for owner in (single, batch):
+        for name in ("update_and_fetch", "trim"):
+            patches.set_attr(owner, name, wrap(getattr(owner, name), name, trigger))
+    for name in ("extract", "filter", "extend"):
+        patches.set_attr(batch, name, wrap(getattr(batch, name), name, trigger))
+    merge = vars(batch)["merge"].__func__
+    patches.set_attr(batch, "merge", classmethod(wrap(merge, "merge", trigger)))
+    # Every quantization of a latent, single or batch, goes through this.
+    quantize = cache_patches.quantize_latent
+    patches.set_attr(cache_patches, "quantize_latent", wrap(quantize, "to_quantized", trigger))
+    # One request's sampler in a server's generation step.
+    run = sampling.RowSampler.run
+    patches.set_attr(sampling.RowSampler, "run", wrap_traced(run, "sample", trigger))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    install(argv[0])
+    import mlx_lm.server
+
+    sys.argv = [sys.argv[0], *argv[1:]]
+    return mlx_lm.server.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@
 """
 
 import dataclasses
+import sys
 import time
 
 import mlx.core as mx
@@ -100,7 +101,10 @@ def _zero(value):
 def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prompt):
     """Why the sampling arguments of a request cannot be served, naming the
     field, or None. ``make_sampler(args, tokenizer)`` and
-    ``make_processors(args)`` are the server's own builders."""
+    ``make_processors(args)`` are the server's own builders; what they built
+    for a request that can be served is kept on its ``args``, and the
+    server's ``_make_sampler`` / ``_make_logits_processors`` hand it out
+    (built once per request)."""
     context = mx.array(prompt)
     seed = getattr(args, "seed", None)
     if seed is not None:  # the single path seeds with it first
@@ -112,14 +116,18 @@ def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prom
         finally:
             restore_random(key)
 
-    def run(a):
+    def run(a, keep=False):
         try:
             sampler, processors = make_sampler(a, tokenizer), make_processors(a)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
-        return trial(sampler, processors, vocab, context)
+        problem = trial(sampler, processors, vocab, context)
+        if keep and problem is None:
+            _keep(a, "sampler", sampler)
+            _keep(a, "processors", processors)
+        return problem
 
-    problem = run(args)
+    problem = run(args, keep=True)
     if problem is None:
         return None
     # Name the field: from every field at its zero, put the request's values
@@ -198,6 +206,27 @@ class RowProcessor:
             return logits
 
 
+def _keep(args, what, built):
+    try:
+        setattr(args, f"mlx_lm_mla_{what}", built)
+    except AttributeError:  # args that take no attributes: built again
+        pass
+
+
+def _take(args, what):
+    # What validation built for this request, handed out once.
+    return vars(args).pop(f"mlx_lm_mla_{what}", None) if hasattr(args, "__dict__") else None
+
+
+def _shared(sampler):
+    """Whether a sampler is one the builder hands every request alike: a
+    module-level function (greedy), not a closure over one request's values."""
+    qualname = getattr(sampler, "__qualname__", "<locals>")
+    return "<locals>" not in qualname and getattr(
+        sys.modules.get(getattr(sampler, "__module__", None)), qualname, None
+    ) is sampler
+
+
 def guarded_make_sampler(original):
     """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row.
     A sampler the builder hands every request alike (greedy) is left as it
@@ -205,10 +234,8 @@ def guarded_make_sampler(original):
     nothing of one request that could fail."""
 
     def _make_sampler(args, tokenizer):
-        sampler = original(args, tokenizer)
-        if original(args, tokenizer) is sampler:
-            return sampler
-        return RowSampler(sampler, args)
+        sampler = _take(args, "sampler") or original(args, tokenizer)
+        return sampler if _shared(sampler) else RowSampler(sampler, args)
 
     _make_sampler.mlx_lm_mla_original = original
     return _make_sampler
@@ -218,7 +245,10 @@ def guarded_make_logits_processors(original):
     """``mlx_lm.server._make_logits_processors`` whose processors run guarded."""
 
     def _make_logits_processors(args):
-        return [RowProcessor(p, args) for p in original(args)]
+        processors = _take(args, "processors")
+        if processors is None:
+            processors = original(args)
+        return [RowProcessor(p, args) for p in processors]
 
     _make_logits_processors.mlx_lm_mla_original = original
     return _make_logits_processors

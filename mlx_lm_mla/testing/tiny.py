@@ -35,6 +35,8 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model
 from tokenizers import Tokenizer, decoders, models
 
+from .. import mla
+
 VOCAB_SIZE = 256
 
 # The tokenizer's special tokens come first, so their ids are fixed.
@@ -388,8 +390,8 @@ def _youtu_llm():
     }
 
 
-# Models whose MLA caches the latent (kv_lora_rank wide, one head) and the
-# shared rope key.
+# A tiny config for each MLA model type (mla.model_types: the latent,
+# kv_lora_rank wide, one head, and the shared rope key are cached).
 _MLA_CONFIGS = {
     "deepseek_v3": _deepseek_v3,
     "deepseek_v32": _deepseek_v32,
@@ -460,8 +462,9 @@ def _installed(model_type: str) -> bool:
     return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
 
 
-# Only the architectures the installed mlx-lm has.
-MLA_MODEL_TYPES = tuple(t for t in _MLA_CONFIGS if _installed(t))
+# The MLA models the installed mlx-lm has, as mla.py finds them; one without
+# a tiny config here fails tiny_config by name.
+MLA_MODEL_TYPES = tuple(mla.installed_model_types())
 FULL_KV_MODEL_TYPES = tuple(t for t in _FULL_KV_CONFIGS if _installed(t))
 
 

@@ -1,34 +1,61 @@
-"""Hooks on stock mlx-lm for MLA models; ``patch.py`` applies them.
+"""Patches on ``mlx_lm.models.cache`` for MLA models.
 
 MLA models keep stock's caches (``KVCache``, ``RotatingKVCache``,
 ``BatchKVCache``): other programs know those classes by name, and they serve
-a plain latent well. The hooks act where stock goes wrong, at quantization.
+a plain latent well. The patches act where stock goes wrong, at
+quantization, and register the quantized classes where
+``load_prompt_cache`` and ``CacheList`` look them up by name.
 
 Which caches hold a latent is known from the attention that writes them
-(``latent.py``), not from their widths.
+(``mla.py``), not from their widths.
 """
 
-from .cache import (
+from mlx_lm.models.cache import BatchKVCache
+
+from .. import mla
+from ..cache import (
     QUANTIZED_LATENT,
     BatchQuantizedLatentCache,
     _PackedLatent,
     extend_latent,
     quantize_latent,
 )
-from .latent import (
-    carry_mark,
-    has_latent_attention,
-    is_latent,
-    latent_modules,
-    leaves,
-    mark_model_caches,
-)
+from ..mla import carry_mark, is_latent, leaves, mark_model_caches
+from .table import Patch
+
+CACHE = "mlx_lm.models.cache"
 
 
-def count_latent_attention(layer) -> int:
-    """How many MLA attention modules one decoder layer has (two in
-    LongCat-Flash, which runs two attention sublayers)."""
-    return len(latent_modules(layer))
+def table():
+    rows = [Patch(CACHE, cls.__name__, "set", lambda _, c=cls: c) for cls in QUANTIZED_LATENT.values()]
+    rows += attention_table()
+    rows += [
+        Patch(CACHE, "make_prompt_cache", "rebind", marked_make_prompt_cache),
+        Patch(CACHE, "KVCache.to_quantized", "wrap", latent_to_quantized),
+        Patch(CACHE, "RotatingKVCache.to_quantized", "wrap", latent_to_quantized),
+        Patch(CACHE, "BatchKVCache.merge", "classmethod", lambda f: latent_merge(f, BatchKVCache)),
+        Patch(CACHE, "BatchKVCache.extend", "wrap", latent_extend),
+        Patch(CACHE, "BatchKVCache.extract", "wrap", marked_extract),
+        Patch(CACHE, "CacheList.to_quantized", "set", lambda _: property(cache_list_to_quantized)),
+        Patch(CACHE, "CacheList.offset", "set", lambda _: property(cache_list_offset)),
+        Patch(CACHE, "BatchRotatingKVCache.merge", "classmethod", refuse_quantized_merge),
+    ]
+    return rows
+
+
+def attention_table():
+    """The MLA attention classes of the installed mlx-lm, each marking the
+    cache it writes. One whose source does not say which is named in missing()."""
+    classes, unreadable = mla.load_attention()
+    rows = []
+    for cls, member in classes.items():
+        mla.ATTENTION[cls] = member
+        rows.append(
+            Patch(cls.__module__, f"{cls.__qualname__}.__call__", "wrap",
+                  lambda f, m=member: mla.marking_call(f, m))
+        )
+    rows += [Patch(CACHE, f"{name}.__call__ (the cache it writes)", "unknown", None) for name in unreadable]
+    return rows
 
 
 # --- stock caches, fixed where they are quantized --------------------------
@@ -144,6 +171,9 @@ def latent_extend(original):
     return extend
 
 
+# --- batches the server quantizes (patches/generate.py calls it) -----------
+
+
 def quantize_batches(caches, group_size, bits, start):
     """Quantizes, in place, each plain batch cache that holds an MLA latent
     once its longest row (``_idx``, no host sync) holds ``start`` tokens."""
@@ -155,47 +185,3 @@ def quantize_batches(caches, group_size, bits, start):
             and is_latent(c)
         ):
             quantize_latent(c, group_size, bits)
-
-
-def quantizing_next(original):
-    """``BatchGenerator._next`` that quantizes the batches of an MLA model
-    served with ``--kv-bits`` (see ``batchable_with_kv_bits``)."""
-
-    def _next(self):
-        result = original(self)
-        settings = vars(self.model).get("_mlx_lm_mla_kv")
-        if settings is not None:
-            for name in ("_prompt_batch", "_generation_batch"):
-                batch = getattr(self, name, None)
-                quantize_batches(getattr(batch, "prompt_cache", []), *settings)
-        return result
-
-    _next.mlx_lm_mla_original = original
-    return _next
-
-
-def batchable_with_kv_bits(original):
-    """``ResponseGenerator._is_batchable`` that keeps batching MLA models when
-    ``--kv-bits`` is set. Upstream refuses, since its quantized cache cannot
-    batch; a latent batch can, quantized once its longest row holds
-    ``--quantized-kv-start`` tokens. Other models keep upstream behaviour."""
-
-    def _is_batchable(self, args):
-        if original(self, args):
-            return True
-        cli, provider = self.cli_args, self.model_provider
-        model = getattr(provider, "model", None)
-        if (
-            getattr(cli, "kv_bits", None) is None
-            or model is None
-            or args.seed is not None
-        ):
-            return False
-        if not (provider.is_batchable and has_latent_attention(model)):
-            return False
-        settings = (cli.kv_group_size, cli.kv_bits, cli.quantized_kv_start)
-        object.__setattr__(model, "_mlx_lm_mla_kv", settings)
-        return True
-
-    _is_batchable.mlx_lm_mla_original = original
-    return _is_batchable

@@ -9,7 +9,7 @@ import math
 import sys
 
 from . import sampling
-from .guards import tag_request
+from .reuse import tag_request
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def checked_tokenize(original, server):
                 f"logit_bias token id {max(bias)} is outside the vocabulary (0..{size - 1})"
             )
         if size:
+            # The sampler and processors built here are the ones it runs with.
             problem = sampling.sampling_problem(
                 sampling.unguarded(server._make_sampler),
                 sampling.unguarded(server._make_logits_processors),
@@ -166,24 +167,42 @@ def bad_request_status(original):
     return _set_completion_headers
 
 
-def bad_body_status(original):
-    """``APIHandler.do_POST`` that answers a body it cannot read with 400:
-    one that is not UTF-8 (upstream's decode error closes the connection
-    with no reply), and, on mlx-lm 0.31, a field its own checks refuse
-    (there ``validate_model_parameters`` raises out of ``do_POST``)."""
+def refused_parameters(original):
+    """``APIHandler.validate_model_parameters``, whose refusals are the
+    client's: a ``BadRequest`` (mlx-lm 0.32 answers its ValueError with 400
+    itself; 0.31 lets it out of ``do_POST``)."""
+
+    def validate_model_parameters(self):
+        try:
+            return original(self)
+        except BadRequest:
+            raise
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+
+    validate_model_parameters.mlx_lm_mla_original = original
+    return validate_model_parameters
+
+
+def answered_post(original):
+    """``APIHandler.do_POST`` where every failure gets one status: 400 for a
+    body it cannot read (one that is not UTF-8: upstream's decode error
+    closes the connection with no reply) or a field the server refuses; 500
+    for anything else, which is the server's failure, not the client's."""
 
     def do_POST(self):
         try:
             return original(self)
         except UnicodeDecodeError as e:
-            _reply(
-                self,
-                400,
-                f"request body is not valid UTF-8: {e}",
-                "invalid_request_error",
-            )
-        except ValueError as e:
+            _reply(self, 400, f"request body is not valid UTF-8: {e}", "invalid_request_error")
+        except BadRequest as e:
             _reply(self, 400, str(e), "invalid_request_error")
+        except Exception as e:
+            logger.exception("mlx-lm-mla: request failed in the server")
+            try:
+                _reply(self, 500, f"{type(e).__name__}: {e}", "server_error")
+            except OSError:
+                pass  # the client is gone
 
     do_POST.mlx_lm_mla_original = original
     return do_POST

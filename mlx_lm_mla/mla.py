@@ -1,4 +1,7 @@
-"""Which caches hold an MLA latent: known from the attention that writes them.
+"""Which models are MLA, and which caches hold their latent: known from the
+attention that writes them. The one place that knows: the patches, the
+upstream generator, the tiny test models and the README's model table all
+read it.
 
 An MLA attention (DeepSeek-V3, GLM-4.7-Flash, Kimi, LongCat, ...) writes its
 compressed latent and RoPE key into one cache. Their widths say nothing
@@ -97,6 +100,28 @@ def find_attention(models_dir):
         found += [(path.stem, name, member) for name, member in classes.items()]
         unclear += [(path.stem, name) for name in unknown]
     return found, unclear
+
+
+def model_types(models_dir):
+    """{model type: the module of its MLA attention} for an mlx-lm ``models``
+    folder: the modules that define an MLA attention, and those that wrap
+    one (import from such a module, as Kimi-VL wraps DeepSeek-V3)."""
+    found, _ = find_attention(models_dir)
+    types = {m: m for m, _, _ in found}
+    for path in sorted(Path(models_dir).glob("*.py")):
+        if path.stem in types:
+            continue
+        source = path.read_text(encoding="utf-8")
+        inner = [m for m in sorted(set(types.values())) if f"from .{m} import" in source]
+        if inner:
+            types[path.stem] = inner[0]
+    return dict(sorted(types.items()))
+
+
+def installed_model_types(package="mlx_lm"):
+    """``model_types`` of the installed mlx-lm."""
+    models = importlib.import_module(f"{package}.models")
+    return model_types(Path(models.__file__).parent)
 
 
 def load_attention(package="mlx_lm"):

@@ -1,0 +1,144 @@
+"""Guards on the prompt cache the server shares across requests
+(``LRUPromptCache``): a bad cache is never handed out or stored, and a
+``"cache_prompt": false`` request neither reuses nor stores one."""
+
+import logging
+
+from ..mla import leaves
+
+logger = logging.getLogger(__name__)
+
+
+class NoStore(list):
+    """The tokens of a ``"cache_prompt": false`` request (LM Studio's clients
+    send it): it neither reuses nor stores a prompt cache. The policy
+    travels with the tokens themselves, which the server hands to
+    ``fetch_nearest_cache`` and ``insert_cache``; a slice keeps it, as the
+    server slices and extends the prompt into the keys it stores under."""
+
+    def __getitem__(self, index):
+        found = super().__getitem__(index)
+        return NoStore(found) if isinstance(index, slice) else found
+
+    def copy(self):
+        return NoStore(self)
+
+
+def tag_request(request, body):
+    if isinstance(body, dict) and body.get("cache_prompt", True) is False:
+        try:
+            request.mlx_lm_mla_cache_prompt = False
+        except AttributeError:
+            pass
+
+
+def no_store_tokenize(original):
+    """``ResponseGenerator._tokenize`` that gives a no-store request its
+    tokens as ``NoStore`` and no segments to store."""
+
+    def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
+        result = original(self, tokenizer, request, args, *rest, **kwargs)
+        if getattr(request, "mlx_lm_mla_cache_prompt", True) is not False:
+            return result
+        return (NoStore(result[0]), result[1], [], *result[3:])
+
+    _tokenize.mlx_lm_mla_original = original
+    return _tokenize
+
+
+def cache_problem(caches, length):
+    """Why a prompt cache cannot hold ``length`` tokens, or None if it can:
+    every layer with an integer ``offset`` holds exactly ``length`` tokens,
+    and a layer of an mlx-lm cache class has a state of arrays (or scalars).
+    Caches of other classes (mlx-vlm's, custom ones) are stored as upstream
+    stores them: their state is theirs to define."""
+    import mlx.core as mx
+    import mlx_lm.models.cache as cache_module
+    from mlx.utils import tree_flatten
+
+    if not isinstance(caches, (list, tuple)) or not caches:
+        return f"not a list of layer caches: {type(caches).__name__}"
+    for i, c in enumerate(leaves(caches)):
+        name = type(c).__name__
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int) and offset != length:
+            return f"layer {i}: {name} holds {offset} tokens, expected {length}"
+        if getattr(cache_module, name, None) is not type(c):
+            continue
+        try:
+            state = c.state
+        except Exception as e:
+            return f"layer {i}: {name}.state fails: {e!r}"
+        for key, leaf in tree_flatten(state):
+            if not isinstance(leaf, (mx.array, int, float, str, type(None))):
+                return f"layer {i}: {name}.state[{key}] is a {type(leaf).__name__}"
+        # Only a quantized cache (one with bits) may keep lists of arrays.
+        for field in ("keys", "values"):
+            value = getattr(c, field, None)
+            if not hasattr(c, "bits") and not isinstance(value, (mx.array, type(None))):
+                return f"layer {i}: {name}.{field} is a {type(value).__name__}, not an array"
+    return None
+
+
+def _evict(store, model, key):
+    entry = store._trie.pop(model, key)
+    store._lru.remove(model, key)
+    store._n_bytes -= entry.nbytes
+    store._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+
+
+def guarded_fetch(original):
+    """``LRUPromptCache.fetch_nearest_cache`` that never hands out a bad cache
+    and never an empty remainder for a prompt that has tokens."""
+
+    def fetch_nearest_cache(self, model, tokens):
+        if isinstance(tokens, NoStore):
+            return None, tokens
+        # Evict any candidate entry that does not hold what its key says.
+        found = self._trie.search(model, tokens)
+        keys = {
+            tuple(k)
+            for k in (found.exact, found.longer, found.shorter)
+            if k is not None
+        }
+        for key in map(list, keys):
+            entry = self._trie.get(model, key)
+            problem = cache_problem(entry.prompt_cache, len(key))
+            if problem:
+                logger.warning(
+                    "mlx-lm-mla: evicted a bad prompt cache entry: %s", problem
+                )
+                _evict(self, model, key)
+        cache, rest = original(self, model, tokens)
+        if cache is None:
+            return cache, rest
+        if cache_problem(cache, len(tokens) - len(rest)):
+            return None, tokens
+        if rest or not tokens:
+            return cache, rest
+        # An exact hit: step back one token so there is one to process.
+        if all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+            for c in cache:
+                c.trim(1)
+            return cache, tokens[-1:]
+        return None, tokens
+
+    fetch_nearest_cache.mlx_lm_mla_original = original
+    return fetch_nearest_cache
+
+
+def guarded_insert(original):
+    """``LRUPromptCache.insert_cache`` that refuses a cache which does not
+    hold exactly the tokens of its key (a partial or broken one)."""
+
+    def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
+        if isinstance(tokens, NoStore):
+            return  # the cache of a "cache_prompt": false request
+        problem = cache_problem(prompt_cache, len(tokens))
+        if problem:
+            logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)
+            return
+        return original(self, model, tokens, prompt_cache, *args, **kwargs)
+
+    insert_cache.mlx_lm_mla_original = original
+    return insert_cache

@@ -1,0 +1,101 @@
+"""Calls back when a module finishes importing: an import hook (a meta path
+finder) that wraps the real loader of the modules asked for.
+
+- ``after_import(name, callback)`` calls ``callback(module)`` once ``name``
+  has been imported, or now if it has been.
+- A callback that fires while one of this package's own modules is still
+  importing (``import mlx_lm_mla.cache`` imports ``mlx_lm`` first) waits
+  until none is, so it never meets a half-imported module of ours.
+- ``python -m mlx_lm.server``: runpy would run the server's source as
+  ``__main__``, a second copy whose classes no callback ever sees; the hook
+  hands runpy code that imports ``mlx_lm.server`` and calls its ``main()``.
+"""
+
+import sys
+
+OURS = "mlx_lm_mla."
+# Modules that run as ``python -m`` through their imported copy.
+RUN_IMPORTED = {"mlx_lm.server": "import mlx_lm.server as m; m.main()"}
+
+_callbacks = {}  # module name: [callback], until it is imported
+_importing = []  # the package's modules being imported through the hook
+_waiting = []  # (callback, module) that fired while one of ours was importing
+
+
+def after_import(name, callback):
+    """Calls ``callback(module)`` when ``name`` finishes importing; now if it
+    has (a module with no ``__spec__._initializing`` left is imported)."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if module is not None and not getattr(spec, "_initializing", False):
+        _call(callback, module)
+        return
+    waiting = _callbacks.setdefault(name, [])
+    if callback not in waiting:
+        waiting.append(callback)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def _call(callback, module):
+    if _importing:
+        _waiting.append((callback, module))
+    else:
+        callback(module)
+
+
+def _imported(name, module):
+    for callback in _callbacks.pop(name, []):
+        _call(callback, module)
+
+
+class _Loader:
+    """Runs the real loader, then the callbacks. Anything else goes to the real one."""
+
+    def __init__(self, loader, name):
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        if not self._name.startswith(OURS):
+            self._loader.exec_module(module)
+            _imported(self._name, module)
+            return
+        _importing.append(self._name)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _importing.pop()
+        while _waiting and not _importing:
+            callback, target = _waiting.pop(0)
+            callback(target)
+
+    def get_code(self, name):
+        # Only runpy asks for the code of these (imports use exec_module).
+        if name in RUN_IMPORTED:
+            return compile(RUN_IMPORTED[name], f"<mlx-lm-mla: python -m {name}>", "exec")
+        return self._loader.get_code(name)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    # A plain meta path finder: importlib.abc would pull in importlib.resources.
+    def find_spec(self, name, path, target=None):
+        if name not in _callbacks and name not in RUN_IMPORTED and not name.startswith(OURS):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader, name)
+        return spec

@@ -1,0 +1,68 @@
+"""The fix inside LM Studio's MLX engine: ``mlx-lm-mla lmstudio install|status|uninstall``.
+
+LM Studio runs its MLX engine in runtime layers built with venvstacks, under
+its home folder (``~/.lmstudio``, or ``~/.cache/lm-studio``, as recorded in
+``~/.lmstudio-home-pointer``):
+
+    <home>/extensions/backends/<engine>-<version>/backend-manifest.json
+    <home>/extensions/backends/vendor/_amphibian/app-mlx-generate-...@N/lib/python3.11/site-packages
+
+Finding the layers is ``discover.py``; writing into one, with its record
+and rollback, is ``installer.py``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from .discover import Refused, find_home, find_layers
+from .installer import install_layer, layer_status, payload, uninstall_layer
+from .discover import supported_range
+
+__all__ = ["main", "payload", "supported_range"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="mlx-lm-mla lmstudio",
+        description="Install the fix into LM Studio's MLX engine, show it, or remove it.",
+    )
+    parser.add_argument("command", choices=["install", "status", "uninstall"])
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--home", type=Path, metavar="DIR", help="LM Studio's home folder")
+    where.add_argument(
+        "--layer", type=Path, action="append", metavar="DIR", help="a layer folder (repeatable)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="every layer with mlx_lm, not only the active engine's"
+    )
+    args = parser.parse_args(argv)
+    if args.layer and args.all:
+        parser.error("--all finds layers in a home folder; it does not go with --layer")
+    try:
+        layers = args.layer or find_layers(args.home or find_home(), args.all)
+        if args.command == "status":
+            for layer in layers:
+                print(layer_status(layer))
+            return 0
+        act = install_layer if args.command == "install" else uninstall_layer
+        plans, refusals = [], []
+        for layer in layers:  # every layer is checked before any is written
+            try:
+                plans.append(act(layer))
+            except Refused as e:
+                refusals.append(str(e))
+        if refusals:
+            raise Refused("; ".join(refusals) + "; nothing written")
+        for message, write in plans:
+            if write is not None:
+                write()
+            print(message)
+        return 0
+    except Refused as e:
+        print(f"mlx-lm-mla lmstudio {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Patches on ``mlx_lm.generate``: a prompt cache is checked against its
+model and the quantization asked for before the first step, and
+``BatchGenerator`` quantizes the batches of an MLA model served with
+``--kv-bits`` (``server.py`` lets the server batch them)."""
+
+from ..cache import _PackedLatent
+from ..mla import ATTENTION, latent_modules, leaves, mark_model_caches
+from .table import Patch
+from . import cache as cache_patches
+
+GENERATE = "mlx_lm.generate"
+# What --kv-bits batching reads of BatchGenerator and its caches.
+BATCH_QUANTIZING = (
+    "mlx_lm.generate.BatchGenerator._next",
+    "mlx_lm.generate.BatchGenerator._prompt_batch",
+    "mlx_lm.generate.BatchGenerator._generation_batch",
+    "mlx_lm.models.cache.BatchKVCache._idx",
+)
+
+
+def table():
+    return [
+        Patch(GENERATE, "generate_step", "rebind", checked_generate_step),
+        Patch(GENERATE, "BatchGenerator._next", "wrap", quantizing_next,
+              needs=BATCH_QUANTIZING, feature="--kv-bits batching of MLA models"),
+    ]
+
+
+def quantizing_next(original):
+    """``BatchGenerator._next`` that quantizes the batches of an MLA model
+    served with ``--kv-bits`` (see ``server.batchable_with_kv_bits``)."""
+
+    def _next(self):
+        result = original(self)
+        settings = vars(self.model).get("_mlx_lm_mla_kv")
+        if settings is not None:
+            for batch in (self._prompt_batch, self._generation_batch):
+                cache_patches.quantize_batches(getattr(batch, "prompt_cache", []), *settings)
+        return result
+
+    _next.mlx_lm_mla_original = original
+    return _next
+
+
+def _latent_widths(model):
+    """{layer index: (latent width, RoPE width, CacheList member or None)}
+    for the layers with one MLA attention. Found once per model instance."""
+    found = vars(model).get("_mlx_lm_mla_widths")
+    if found is None:
+        found = {}
+        for i, layer in enumerate(getattr(model, "layers", [])):
+            mods = latent_modules(layer)
+            rope = getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
+            if isinstance(rope, int):
+                found[i] = (mods[0].kv_lora_rank, rope, ATTENTION[type(mods[0])])
+        object.__setattr__(model, "_mlx_lm_mla_widths", found)
+    return found
+
+
+def cache_mismatch(model, cache):
+    """Why ``cache`` cannot serve ``model``, or None. Checks the layers that
+    cache an MLA latent: a cache of per-head K/V (saved from a model with
+    full attention, such as DeepSeek-V2) or of other widths is named."""
+    import mlx.core as mx
+
+    widths = _latent_widths(model) if cache else {}
+    if not widths or len(cache) != len(model.layers):
+        return None
+    for i, (latent, rope, member) in widths.items():
+        c, inner = cache[i], getattr(cache[i], "caches", None)
+        if member is not None and isinstance(inner, (list, tuple)) and len(inner) > member:
+            c = inner[member]
+        fmt = getattr(c, "_format", None)
+        if fmt is not None:
+            held = (fmt[2], fmt[4])
+            heads = 1
+        else:
+            k, v = getattr(c, "keys", None), getattr(c, "values", None)
+            if not (
+                isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4
+            ):
+                continue
+            held, heads = (k.shape[-1], v.shape[-1]), k.shape[1]
+        if heads != 1:
+            return (
+                f"prompt cache layer {i} ({type(c).__name__}) holds per-head keys and "
+                f"values ({heads} heads, widths {held[0]} and {held[1]}), as a model "
+                "with full attention saves them; this model caches one MLA latent "
+                f"per layer (1 head, widths {latent} and {rope})"
+            )
+        if held != (latent, rope):
+            return (
+                f"prompt cache layer {i} ({type(c).__name__}) holds a latent of width "
+                f"{held[0]} and a RoPE key of width {held[1]}; this model caches "
+                f"widths {latent} and {rope}: the cache is from another model"
+            )
+    return None
+
+
+def checked_generate_step(original):
+    """``generate_step`` that refuses a prompt cache its model cannot use, or
+    one quantized otherwise than ``kv_bits`` asks, before the first step."""
+
+    def generate_step(prompt, model, *args, **kwargs):
+        cache = kwargs.get("prompt_cache")
+        if isinstance(cache, (list, tuple)):
+            mark_model_caches(model, cache)
+            bits, group_size = kwargs.get("kv_bits"), kwargs.get("kv_group_size", 64)
+            problem = cache_mismatch(model, cache) or settings_mismatch(cache, bits, group_size)
+            if problem:
+                raise ValueError(problem)
+        return original(prompt, model, *args, **kwargs)
+
+    generate_step.mlx_lm_mla_original = original
+    return generate_step
+
+
+def settings_mismatch(cache, bits, group_size):
+    """Why a cache whose latent is quantized cannot continue under ``kv_bits``
+    / ``kv_group_size``, or None. Refused up front, as ``mlx_lm.generate``
+    refuses a loaded ``QuantizedKVCache`` of other bits: otherwise it would
+    fail only once ``quantized_kv_start`` is reached (``to_quantized`` does
+    not requantize), and until then decode at the cache's own bits."""
+    if bits is None:
+        return None
+    for c in leaves(cache):
+        if isinstance(c, _PackedLatent) and (c.group_size, c.latent_bits) != (int(group_size), int(bits)):
+            return (
+                f"prompt cache: its MLA latent is quantized with group_size "
+                f"{c.group_size} and {c.latent_bits} bits; kv_bits {bits} with "
+                f"kv_group_size {group_size} was asked for, and a quantized cache "
+                "is not requantized"
+            )
+    return None

@@ -1,0 +1,82 @@
+"""Patches on ``mlx_lm.server``, applied when it is imported: the guards
+(``guards/``) on its HTTP side, its generation loop and its shared prompt
+cache, and batching of MLA models under ``--kv-bits``."""
+
+import sys
+
+from ..guards import recovery, requests, reuse, sampling
+from ..mla import has_latent_attention
+from .table import Patch
+from .generate import BATCH_QUANTIZING
+
+SERVER = "mlx_lm.server"
+CACHE = "mlx_lm.models.cache"
+_LRU = tuple(f"{CACHE}.LRUPromptCache.{n}" for n in ("_trie", "_lru", "_n_bytes", "_n_bytes_by_type"))
+_TOKENIZE = (
+    f"{SERVER}.ResponseGenerator._tokenize",
+    f"{SERVER}._make_sampler",
+    f"{SERVER}._make_logits_processors",
+    "mlx_lm.tokenizer_utils.TokenizerWrapper._tokenizer",
+)
+_LOOP = tuple(f"{SERVER}.ResponseGenerator.{n}" for n in ("_next_request", "_generate", "_stop"))
+
+
+def table():
+    server = sys.modules[SERVER]
+    return [
+        Patch(SERVER, "APIHandler.handle_completion", "wrap", requests.guarded_completion,
+              needs=("http.server.BaseHTTPRequestHandler._headers_buffer",),
+              feature="request checks"),
+        Patch(SERVER, "APIHandler._set_completion_headers", "wrap", requests.bad_request_status,
+              needs=(f"{SERVER}.APIHandler._set_completion_headers",), feature="400 for bad requests"),
+        Patch(SERVER, "APIHandler.validate_model_parameters", "wrap", requests.refused_parameters),
+        Patch(SERVER, "APIHandler.do_POST", "wrap", requests.answered_post),
+        Patch(SERVER, "ResponseGenerator._is_batchable", "wrap", batchable_with_kv_bits,
+              needs=(f"{SERVER}.ResponseGenerator._is_batchable", *BATCH_QUANTIZING),
+              feature="--kv-bits batching of MLA models"),
+        # One wrapper of _tokenize: the request's checks, then its cache policy.
+        Patch(SERVER, "ResponseGenerator._tokenize", "wrap",
+              lambda f: reuse.no_store_tokenize(requests.checked_tokenize(f, server)),
+              needs=_TOKENIZE, feature="request checks"),
+        Patch(CACHE, "LRUPromptCache.fetch_nearest_cache", "wrap", reuse.guarded_fetch,
+              needs=_LRU, feature="prompt cache reuse guards"),
+        Patch(CACHE, "LRUPromptCache.insert_cache", "wrap", reuse.guarded_insert,
+              needs=_LRU, feature="prompt cache reuse guards"),
+        # The loop is supervised only where the open requests can be tracked.
+        Patch(SERVER, "ResponseGenerator._next_request", "wrap", recovery.tracked_next_request,
+              needs=_LOOP, feature="recovery after a failure"),
+        Patch(SERVER, "ResponseGenerator._generate", "wrap", recovery.supervised_generate,
+              needs=_LOOP, feature="recovery after a failure"),
+        Patch(SERVER, "_make_sampler", "wrap", sampling.guarded_make_sampler,
+              needs=(f"{SERVER}._make_sampler",), feature="sampling guards"),
+        Patch(SERVER, "_make_logits_processors", "wrap", sampling.guarded_make_logits_processors,
+              needs=(f"{SERVER}._make_logits_processors",), feature="sampling guards"),
+    ]
+
+
+def batchable_with_kv_bits(original):
+    """``ResponseGenerator._is_batchable`` that keeps batching MLA models when
+    ``--kv-bits`` is set. Upstream refuses, since its quantized cache cannot
+    batch; a latent batch can, quantized once its longest row holds
+    ``--quantized-kv-start`` tokens (``generate.quantizing_next``). Other
+    models keep upstream behaviour."""
+
+    def _is_batchable(self, args):
+        if original(self, args):
+            return True
+        cli, provider = self.cli_args, self.model_provider
+        model = getattr(provider, "model", None)
+        if (
+            getattr(cli, "kv_bits", None) is None
+            or model is None
+            or args.seed is not None
+        ):
+            return False
+        if not (provider.is_batchable and has_latent_attention(model)):
+            return False
+        settings = (cli.kv_group_size, cli.kv_bits, cli.quantized_kv_start)
+        object.__setattr__(model, "_mlx_lm_mla_kv", settings)
+        return True
+
+    _is_batchable.mlx_lm_mla_original = original
+    return _is_batchable

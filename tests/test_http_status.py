@@ -1,0 +1,61 @@
+"""Every failure of a POST gets one HTTP status: the client's failures 400,
+the server's own 500 (guards/requests.py, answered_post)."""
+
+import io
+import json
+
+import pytest
+
+from mlx_lm_mla.guards.requests import BadRequest, answered_post, refused_parameters
+
+
+class Handler:
+    """Records what a BaseHTTPRequestHandler would send."""
+
+    def __init__(self):
+        self.status, self.wfile = None, io.BytesIO()
+
+    def send_response(self, status):
+        self.status = status
+
+    def send_header(self, name, value):
+        pass
+
+    def end_headers(self):
+        pass
+
+    def answer(self):
+        return self.status, json.loads(self.wfile.getvalue())["error"]["type"]
+
+
+def post_raising(error):
+    def do_POST(self):
+        raise error
+
+    handler = Handler()
+    answered_post(do_POST)(handler)
+    return handler.answer()
+
+
+def test_a_field_the_server_refuses_is_a_client_error():
+    assert post_raising(BadRequest("top_k must be at least 0")) == (400, "invalid_request_error")
+
+
+def test_a_body_that_is_not_utf8_is_a_client_error():
+    assert post_raising(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")) == (
+        400,
+        "invalid_request_error",
+    )
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug in the server"), KeyError("state")])
+def test_any_other_failure_is_a_server_error(error):
+    assert post_raising(error) == (500, "server_error")
+
+
+def test_a_refused_model_parameter_becomes_a_bad_request():
+    def validate_model_parameters(self):
+        raise ValueError("temperature must be a non-negative float")
+
+    with pytest.raises(BadRequest, match="temperature must be"):
+        refused_parameters(validate_model_parameters)(Handler())

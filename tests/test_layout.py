@@ -1,0 +1,92 @@
+"""The package's layout: one concern per module, no import cycle, and a
+test kit that the runtime never loads and LM Studio never receives."""
+
+import ast
+from pathlib import Path
+
+import mlx_lm_mla
+from mlx_lm_mla.lmstudio import payload
+
+PACKAGE = Path(mlx_lm_mla.__file__).parent
+# The test kit, and the demo that builds its tiny model.
+NOT_RUNTIME = ("mlx_lm_mla.testing", "mlx_lm_mla.repro")
+
+
+def module_name(path):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules():
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(name, path):
+    """The package's modules ``name`` imports, anywhere in its source."""
+    known, found = modules(), set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            # from package import submodule: the submodule, not the package's own code
+            names = [f"{base}.{a.name}" for a in node.names]
+            targets = names + ([base] if any(n not in known for n in names) else [])
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def graph():
+    return {name: imports(name, path) for name, path in modules().items()}
+
+
+def test_no_module_of_the_package_imports_itself_back():
+    edges = graph()
+    cycles = []
+
+    def visit(name, trail):
+        for target in edges[name]:
+            if target in trail:
+                cycles.append(trail[trail.index(target):] + [target])
+            elif target not in done:
+                visit(target, trail + [target])
+        done.add(name)
+
+    done = set()
+    for name in edges:
+        if name not in done:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_no_runtime_module_imports_the_test_kit():
+    runtime = {n: e for n, e in graph().items() if not n.startswith(NOT_RUNTIME)}
+    offenders = {n: sorted(e) for n, e in runtime.items() if any(t.startswith("mlx_lm_mla.testing") for t in e)}
+    assert offenders == {}
+
+
+def test_lmstudio_receives_the_runtime_modules_and_no_test_kit():
+    shipped = {name for name in payload() if name.endswith(".py")}
+    assert "mlx_lm_mla/patches/__init__.py" in shipped and "mlx_lm_mla/guards/reuse.py" in shipped
+    assert not [name for name in shipped if name.startswith("mlx_lm_mla/testing/")]
+
+
+def test_no_class_is_made_with_type_and_no_file_is_searched_with_a_regex():
+    fabricated, regex_in_files = [], []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "type" and len(node.args) == 3:
+                fabricated.append(f"{name}:{node.lineno}")
+    files = ast.parse((PACKAGE / "patches" / "files.py").read_text())
+    for node in ast.walk(files):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None)]
+            regex_in_files += [n for n in names if n in ("re", "struct")]
+    assert fabricated == [] and regex_in_files == []
