@@ -25,7 +25,7 @@ def _inflight(generator):
 def tracked_next_request(original):
     """``ResponseGenerator._next_request`` that remembers which requests are
     open, so they can be answered if the generation loop fails, and ends a
-    request whose own sampling failed in a batch step (see sampling.py):
+    request whose own sampling failed in a batch step (see guards/sampling.py):
     its next reply is replaced by the error, its context is stopped so the
     server drops its row, and nothing more is sent to it."""
 

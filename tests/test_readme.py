@@ -1,0 +1,130 @@
+"""The README and docs/ say what the code does: the model table is the
+command's output, the README stays short, and every module named exists."""
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_lm
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+BEGIN = re.compile(
+    r"^<!-- model-table: python -m mlx_lm_mla\.testing\.model_table \(mlx-lm ([^)]+)\) -->$", re.M
+)
+END = "<!-- /model-table -->"
+
+
+def run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def readme_table():
+    """(the mlx-lm version its marker names, the text from marker to end marker)."""
+    text = README.read_text(encoding="utf-8")
+    begin = BEGIN.search(text)
+    assert begin, "README.md has no model-table marker"
+    end = text.index(END, begin.start()) + len(END)
+    return begin.group(1), text[begin.start() : end]
+
+
+@pytest.fixture(scope="module")
+def command_table():
+    out = run("-m", "mlx_lm_mla.testing.model_table")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_model_table_is_the_commands_output(command_table):
+    version, table = readme_table()
+    if version == mlx_lm.__version__:
+        assert table == command_table
+    else:
+        # Another mlx-lm (CI's other legs) may have fewer MLA models: each
+        # row it has must read as in the README, and nothing else may differ.
+        assert BEGIN.search(command_table).group(1) == mlx_lm.__version__
+        readme_lines = set(table.splitlines())
+        printed = [line for line in command_table.splitlines() if not BEGIN.match(line)]
+        assert [line for line in printed if line not in readme_lines] == []
+
+
+def test_the_model_table_has_a_row_per_mla_model(command_table):
+    from mlx_lm_mla import mla
+
+    rows = [line for line in command_table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == sorted(mla.installed_model_types())
+
+
+def test_the_readme_is_short_and_starts_with_the_quick_start():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 250
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[0] == "## Quick start"
+
+
+def _exists(dotted):
+    """Whether ``mlx_lm_mla.a.b`` is a module of the package, or an
+    attribute of the deepest module it names."""
+    parts = dotted.split(".")
+    module, i = "mlx_lm_mla", 1
+    while i < len(parts):
+        path = ROOT.joinpath(*parts[: i + 1])
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            module, i = f"{module}.{parts[i]}", i + 1
+        else:
+            break
+    owner = importlib.import_module(module)
+    for name in parts[i:]:
+        if not hasattr(owner, name):
+            return False
+        owner = getattr(owner, name)
+    return True
+
+
+def named_but_missing(text):
+    missing = []
+    # Paths: mlx_lm_mla/... and benchmarks/..., files and folders (not
+    # tests/: mlx-lm's own tests are named too).
+    for path in re.findall(r"(?<![\w/.])((?:mlx_lm_mla|benchmarks)/[\w/.-]*)", text):
+        path = path.rstrip(".")
+        if not (ROOT / path).exists():
+            missing.append(path)
+    # Dotted names: mlx_lm_mla.x.y (the start-up hook mlx_lm_mla.pth is a file).
+    for dotted in re.findall(r"(?<![\w.])(mlx_lm_mla(?:\.[A-Za-z_]\w*)+)", text):
+        if dotted == "mlx_lm_mla.pth":
+            if not (ROOT / dotted).is_file():
+                missing.append(dotted)
+        elif not _exists(dotted):
+            missing.append(dotted)
+    # from mlx_lm_mla[.x] import a, b
+    for module, names in re.findall(r"from (mlx_lm_mla[\w.]*) import ([\w, ]+)", text):
+        for name in (n.strip() for n in names.split(",")):
+            if not _exists(f"{module}.{name}"):
+                missing.append(f"{module}.{name}")
+    return missing
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_docs_name_only_modules_that_exist(doc):
+    assert named_but_missing(doc.read_text(encoding="utf-8")) == []
+
+
+def test_the_module_check_catches_an_old_name():
+    assert named_but_missing("see `mlx_lm_mla/patch.py` and `mlx_lm_mla.tiny`") == [
+        "mlx_lm_mla/patch.py",
+        "mlx_lm_mla.tiny",
+    ]
+
+
+def test_mlx_lm_mla_help_lists_the_commands():
+    out = run("-m", "mlx_lm_mla", "--help", timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("repro", "serve", "upstream-patch", "lmstudio"):
+        assert re.search(rf"^\s+{re.escape(command)}\s", out.stdout, re.M), command
