@@ -5,6 +5,7 @@ patches it there.
 """
 
 import random
+import zlib
 
 import mlx.core as mx
 import pytest
@@ -229,3 +230,17 @@ def test_a_cache_in_a_layout_never_released_is_refused_by_name(installed):
             QuantizedLatentCache.from_state(arrays, tuple(c.meta_state[:-1]) + (fmt,))
         else:
             QuantizedLatentCache.from_state(arrays + (fmt,))
+
+
+def test_the_checksum_is_of_the_data_whatever_pieces_it_is_written_in(tmp_path):
+    from mlx_lm_mla.patches.files import DataChecksum
+
+    path = tmp_path / "a.safetensors"
+    mx.save_safetensors(str(path), {"a": mx.arange(1000, dtype=mx.float32)}, {"k": "v"})
+    raw = path.read_bytes()
+    whole, pieces = DataChecksum(), DataChecksum()
+    whole.write(raw)
+    for i in range(0, len(raw), 7):
+        pieces.write(raw[i : i + 7])
+    data = raw[8 + int.from_bytes(raw[:8], "little"):]
+    assert whole.value() == pieces.value() == f"crc32:{zlib.crc32(data):08x}"

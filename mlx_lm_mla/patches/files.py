@@ -20,7 +20,8 @@ CACHE = "mlx_lm.models.cache"
 
 # The checksum of a saved latent cache, in the file's metadata: CRC-32 of
 # the file's data (every tensor's bytes, after the header). The data does
-# not depend on the metadata, so it is known before the file is written.
+# not depend on the metadata, so it is known before the file is written
+# (``DataChecksum``), and the file is written once.
 CHECKSUM = "mlx_lm_mla_crc32"
 
 
@@ -28,15 +29,38 @@ class CorruptCacheFile(ValueError):
     """A prompt cache file that cannot be what it claims to be."""
 
 
-def _data_checksum(f):
-    # f: a binary file at its start, in the safetensors layout (an 8-byte
-    # little-endian header length, the header, then the data).
-    start = 8 + int.from_bytes(f.read(8), "little")
-    f.seek(start)
-    crc = 0
-    while chunk := f.read(1 << 24):
-        crc = zlib.crc32(chunk, crc)
-    return f"crc32:{crc:08x}"
+class DataChecksum(io.RawIOBase):
+    """A sink for the bytes of a safetensors file (an 8-byte little-endian
+    header length, the header, then the data) that keeps the CRC-32 of its
+    data. ``mx.save_safetensors`` can write into it, so a file's checksum is
+    known before the file is written, without holding its bytes."""
+
+    def __init__(self):
+        self.crc, self.position, self.prefix, self.header = 0, 0, b"", None
+
+    def writable(self):
+        return True
+
+    def tell(self):
+        return self.position
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        written = len(view)
+        self.position += written
+        if self.header is None:  # the length of the header comes first
+            taken = 8 - len(self.prefix)
+            self.prefix, view = self.prefix + bytes(view[:taken]), view[taken:]
+            if len(self.prefix) < 8:
+                return written
+            self.header = int.from_bytes(self.prefix, "little")
+        skipped = min(self.header, len(view))
+        self.header -= skipped
+        self.crc = zlib.crc32(view[skipped:], self.crc)
+        return written
+
+    def value(self):
+        return f"crc32:{self.crc:08x}"
 
 
 def check_cache_file(path):
@@ -58,9 +82,11 @@ def check_cache_file(path):
     expected = [v for k, v in metadata.items() if k.rpartition(".")[2] == CHECKSUM]
     if not expected:
         return
+    found = DataChecksum()
     with open(path, "rb") as f:
-        found = _data_checksum(f)
-    if expected != [found]:
+        while chunk := f.read(1 << 24):
+            found.write(chunk)
+    if expected != [found.value()]:
         raise CorruptCacheFile(
             f"prompt cache file {path} is corrupt: its checksum does not match "
             "its contents (the file changed after it was saved)"
@@ -169,11 +195,10 @@ def checked_save(original):
         metadata = dict((args[0] if args else kwargs.get("metadata")) or {})
         if empty:
             metadata[EMPTY] = json.dumps(empty)
-        if latent:  # stock's own layout, written to memory first for its data
-            staged = io.BytesIO()
-            original(staged, layers, metadata)
-            staged.seek(0)
-            metadata[CHECKSUM] = _data_checksum(staged)
+        if latent:  # stock's own serialization, read for its data's checksum
+            checksum = DataChecksum()
+            original(checksum, layers, metadata)
+            metadata[CHECKSUM] = checksum.value()
         original(file_name, layers, metadata)
 
     save_prompt_cache.mlx_lm_mla_original = original
