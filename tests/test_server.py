@@ -7,7 +7,10 @@ defined: that server never quantizes.
 """
 
 import json
+import re
+import socket
 import threading
+import time
 
 import pytest
 
@@ -139,6 +142,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NAN}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1e39}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "seed": -1}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages[0].content[0]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, "max_tokens must be at most"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 163840}, "max_tokens must be at most"),  # the context
 ]
 
 
@@ -253,3 +260,48 @@ def test_a_failure_in_a_non_streamed_request_gets_one_http_status(model_path):
     assert status_lines(failed) == ["HTTP/1.0 500 Internal Server Error"]
     assert b"InjectedFault" in failed
     assert status == 200 and after["choices"][0]["text"]
+
+
+def hang_up_on(port, body, after_bytes=0):
+    """A request whose client closes its connection once it has read
+    ``after_bytes`` (0: at once, before any reply)."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode() + data)
+        received = 0
+        while received < after_bytes:
+            chunk = sock.recv(after_bytes - received)
+            if not chunk:
+                break
+            received += len(chunk)
+        time.sleep(1.0)  # generating by now
+
+
+def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(model_path, fresh, tmp_path):
+    log = tmp_path / "server.log"
+    huge = {  # never ends by itself: end of text is never sampled
+        "messages": [{"role": "user", "content": questions(5)[4]}],
+        "max_tokens": 100000,
+        "temperature": 0.0,
+        "logit_bias": {"1": -100},
+    }
+    with Server(model_path, "--decode-concurrency", 4, log=log) as server:
+        streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
+        for s in streams:
+            s.start()
+        hang_up_on(server.port, huge)  # not streamed: nothing is written until the end
+        hang_up_on(server.port, {**huge, "stream": True}, after_bytes=300)
+        closed = time.time()
+        for s in streams:
+            s.join()
+        while time.time() - closed < 20 and log.read_text().count("its client is gone") < 2:
+            time.sleep(0.2)
+        after = served_as_fresh(server, questions(2))
+    cancelled = re.findall(r"cancelled the request (\S+) from \S+ after (\d+) tokens: its client is gone", log.read_text())
+    assert [path for path, _ in cancelled] == ["/v1/chat/completions"] * 2
+    assert all(int(n) < 2000 for _, n in cancelled), cancelled  # of 100000 asked for
+    assert [s.text for s in streams] == fresh["solo"] and after == fresh["served"]

@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from . import sampling
+from . import cancellation, sampling
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +25,15 @@ def _inflight(generator):
 def tracked_next_request(original):
     """``ResponseGenerator._next_request`` that remembers which requests are
     open, so they can be answered if the generation loop fails, and ends a
-    request whose own sampling failed in a batch step (see guards/sampling.py):
-    its next reply is replaced by the error, its context is stopped so the
-    server drops its row, and nothing more is sent to it."""
+    request whose own sampling failed in a batch step (see guards/sampling.py)
+    or whose client is gone (see guards/cancellation.py): its next reply is
+    replaced by the error, its context is stopped so the server drops its
+    row, and nothing more is sent to it."""
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
         if request is not None:
-            rqueue, args = request[0], request[2]
+            rqueue, body, args = request[0], request[1], request[2]
             open_requests = _inflight(self)
             open_requests.add(rqueue)
             put = rqueue.put
@@ -44,12 +45,8 @@ def tracked_next_request(original):
                     return
                 if isinstance(item, context):
                     held["ctx"] = item
-                elif not isinstance(item, Exception) and sampling.failure(args):
-                    error = sampling.failure(args)
-                    item = RuntimeError(f"sampling failed: {type(error).__name__}: {error}")
-                    held["answered"] = True
-                    if held["ctx"] is not None:
-                        held["ctx"].stop()  # the server removes the row
+                elif not isinstance(item, Exception):
+                    item = _ending(item, body, args, held)
                 put(item, *args_, **kwargs)
                 if item is None or isinstance(item, Exception):
                     open_requests.discard(rqueue)
@@ -59,6 +56,24 @@ def tracked_next_request(original):
 
     _next_request.mlx_lm_mla_original = original
     return _next_request
+
+
+def _ending(item, body, args, held):
+    """The reply to send in place of ``item``: the error that ends the
+    request, if its sampling failed or its client is gone; else ``item``."""
+    failure, client = sampling.failure(args), cancellation.gone(body)
+    if not (failure or client):
+        if hasattr(item, "token"):
+            cancellation.count_token(body)
+        return item
+    if failure:
+        item = RuntimeError(f"sampling failed: {type(failure).__name__}: {failure}")
+    else:
+        item = cancellation.ClientGone(f"{client}: the client is gone")
+    held["answered"] = True
+    if held["ctx"] is not None:
+        held["ctx"].stop()  # the server removes the row
+    return item
 
 
 def _restore_after_failure():

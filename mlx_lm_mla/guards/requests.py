@@ -6,9 +6,10 @@ HTTP status."""
 import json
 import logging
 import math
+import os
 import sys
 
-from . import sampling
+from . import cancellation, sampling
 from .reuse import tag_request
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,10 @@ def request_problem(request, stop_words, logit_bias):
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             return "messages must be objects with a string role"
+        for i, m in enumerate(messages):
+            problem = content_problem(m.get("content"))
+            if problem:
+                return f"messages[{i}].content{problem}"
     if not isinstance(stop_words, list) or not all(
         isinstance(w, str) and w for w in stop_words
     ):
@@ -40,6 +45,44 @@ def request_problem(request, stop_words, logit_bias):
     if logit_bias and any(i < 0 for i in logit_bias):
         return "logit_bias token ids must not be negative"
     return None
+
+
+def content_problem(content):
+    """Why a message's content is malformed, from the field's path on, or
+    None: it is a string, null, or a list of content parts (objects with a
+    string type; a text part with a string text)."""
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f" must be a string, null or a list of content parts, not {type(content).__name__}"
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            return f"[{j}] must be an object with a string type"
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            return f"[{j}].text must be a string"
+    return None
+
+
+# Where the model's config gives no context length, and on top of it: the
+# most tokens one request may ask for. MLX_LM_MLA_MAX_TOKENS changes it.
+CEILING = 1 << 20
+
+
+def max_tokens_limit(generator, prompt_tokens):
+    """(the most tokens the request may generate, why): the model's context
+    length less the prompt, where its config gives one, and the ceiling."""
+    try:
+        ceiling = int(os.environ.get("MLX_LM_MLA_MAX_TOKENS", CEILING))
+    except ValueError:
+        logger.warning("mlx-lm-mla: MLX_LM_MLA_MAX_TOKENS is not an integer; using %d", CEILING)
+        ceiling = CEILING
+    model = getattr(getattr(generator, "model_provider", None), "model", None)
+    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if isinstance(context, int) and context - prompt_tokens < ceiling:
+        return max(context - prompt_tokens, 0), (
+            f"the model's context is {context} tokens and the prompt has {prompt_tokens}"
+        )
+    return ceiling, "the server's ceiling (MLX_LM_MLA_MAX_TOKENS)"
 
 
 def non_finite(value, path=""):
@@ -58,8 +101,9 @@ def non_finite(value, path=""):
 
 def checked_tokenize(original, server):
     """``ResponseGenerator._tokenize`` that refuses, before the request joins
-    a batch, what needs the model to see: a prompt of no tokens,
-    ``logit_bias`` ids outside the vocabulary (upstream applies them to
+    a batch, what needs the model to see: a prompt of no tokens, more
+    ``max_tokens`` than the model's context leaves or the server's ceiling
+    allows (``max_tokens_limit``), ``logit_bias`` ids outside the vocabulary (upstream applies them to
     whatever memory they point at), and sampling arguments that the
     server's own sampler and logits processors cannot run with, found by
     running them once on one row of the model's vocabulary (in the
@@ -69,6 +113,10 @@ def checked_tokenize(original, server):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
         if not result[0]:
             raise BadRequest("prompt has no tokens")
+        limit, why = max_tokens_limit(self, len(result[0]))
+        asked = getattr(args, "max_tokens", None)
+        if isinstance(asked, int) and asked > limit:
+            raise BadRequest(f"max_tokens must be at most {limit}: {why}")
         bias = getattr(getattr(args, "logits", None), "logit_bias", None)
         size = _vocabulary(self, tokenizer)
         if bias and size and max(bias) >= size:
@@ -117,7 +165,8 @@ def _reply(handler, status, message, kind):
 
 def guarded_completion(original):
     """``APIHandler.handle_completion`` that refuses a bad request with 400
-    before it is queued, honours ``"cache_prompt": false``, and answers a
+    before it is queued, honours ``"cache_prompt": false``, ends the request
+    when its client leaves (``cancellation.py``), and answers a
     request that failed during generation. Upstream lets that exception
     close the connection: a non-streamed reply had its 200 status buffered,
     so the client got 200 and then a second status line. Here the buffered
@@ -135,7 +184,10 @@ def guarded_completion(original):
             return _reply(self, 400, problem, "invalid_request_error")
         tag_request(request, getattr(self, "body", None))
         try:
-            return original(self, request, stop_words, *args, **kwargs)
+            with cancellation.watch(self, request):
+                return original(self, request, stop_words, *args, **kwargs)
+        except (cancellation.ClientGone, *cancellation.GONE):
+            return cancellation.ended(self, request)  # nobody to answer
         except Exception as e:
             logger.warning("mlx-lm-mla: request failed: %s: %s", type(e).__name__, e)
             message = f"{type(e).__name__}: {e}"
