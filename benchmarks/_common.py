@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 for _name in [m for m in sys.modules if m == "mlx_lm_mla" or m.startswith("mlx_lm_mla.")]:
     if not str(getattr(sys.modules[_name], "__file__", "")).startswith(str(ROOT)):
         del sys.modules[_name]
-sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_AfterImport"]
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__module__ != "mlx_lm_mla.importhook"]
 
 RESULTS = ROOT / "benchmarks" / "results"
 

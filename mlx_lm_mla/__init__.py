@@ -14,6 +14,7 @@ from ._version import __version__
 _EXPORTS = {
     "QuantizedLatentCache": "cache",
     "BatchQuantizedLatentCache": "cache",
+    "BatchMixedLatentCache": "cache",
     "QuantizedRotatingLatentCache": "cache",
     "quantize_latent": "cache",
     "install": "patches",

@@ -187,20 +187,26 @@ class QuantizedLatentCache(_PackedLatent, KVCache):
 
     @classmethod
     def merge(cls, caches):
-        return BatchQuantizedLatentCache.merge(caches)
+        return merge_latent(caches)
 
 
 class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
-    """A ``BatchKVCache`` whose latent is quantized. One precision for the
-    batch: exact rows that join it are quantized."""
+    """A ``BatchKVCache`` whose latent is quantized, every row. Exact rows
+    that join it keep their precision (``BatchMixedLatentCache``)."""
 
     def filter(self, batch_indices):
         super().filter(_ints(batch_indices))
 
     def extend(self, other):
-        # A batch of a latent extended with more rows of the same latent.
-        if not isinstance(other, _PackedLatent) and other.keys is not None:
-            other = quantize_latent(copy.copy(other), self.group_size, self.latent_bits)
+        # Rows that are not quantized keep their precision: a mixed batch.
+        if not isinstance(other, _PackedLatent):
+            if other.offset.size == 0:
+                return
+            packed = copy.copy(self)
+            _become(self, _decoded(self, BatchKVCache))
+            self.__class__ = BatchMixedLatentCache
+            self.packed, self.quantized = packed, _flags([True] * self.offset.size)
+            return self.extend(other)
         _same_format([self, other], "extend")
         super().extend(other)
 
@@ -242,11 +248,186 @@ def _same_format(caches, op):
 
 
 def extend_latent(batch, other, extend):
-    """A batch that takes quantized rows is quantized first."""
-    if isinstance(other, _PackedLatent):
-        quantize_latent(batch, other.group_size, other.latent_bits, like=other)
+    """A plain batch that takes quantized rows: its own rows stay exact (a
+    ``BatchMixedLatentCache``), unless it has none."""
+    if isinstance(other, (_PackedLatent, BatchMixedLatentCache)):
+        if batch.offset.size == 0:  # no rows: it takes the other's kind
+            quantize_latent(batch, *_settings(other), like=_packed(other))
+        else:
+            _mixed(batch, *_settings(other), like=_packed(other))
         return batch.extend(other)
     return extend(other)
+
+
+def merge_latent(caches):
+    """A batch of single caches some of which are quantized: each row keeps
+    its own precision. None where none is quantized (stock merges those)."""
+    if not any(isinstance(c, _PackedLatent) for c in caches):
+        return None
+    if all(isinstance(c, _PackedLatent) for c in caches):
+        return BatchQuantizedLatentCache.merge(caches)
+    return BatchMixedLatentCache.merge(caches)
+
+
+def _settings(cache):
+    packed = _packed(cache)
+    return packed.group_size, packed.latent_bits
+
+
+def _packed(cache):
+    return cache.packed if isinstance(cache, BatchMixedLatentCache) else cache
+
+
+def _decoded(cache, cls):
+    """A ``cls`` (KVCache, BatchKVCache) holding what a quantized cache's
+    rows read: its latent as its bytes decode, its RoPE key."""
+    plain = copy.copy(cache)
+    for name in ("_format", "group_size", "latent_bits"):
+        vars(plain).pop(name, None)
+    plain.__class__ = cls
+    if cache.keys is not None:
+        plain.keys, plain.values = cache._decode(cache.keys, cache.values)
+    return plain
+
+
+def _plain(mixed):
+    # A mixed batch's latent as its rows read it, as a plain batch.
+    plain = copy.copy(mixed)
+    del plain.packed, plain.quantized
+    plain.__class__ = BatchKVCache
+    return plain
+
+
+def _mixed(batch, group_size, bits, like=None):
+    """Turns a plain batch of exact rows, in place, into a
+    ``BatchMixedLatentCache`` whose rows are all still exact."""
+    packed = quantize_latent(copy.copy(batch), group_size, bits, like=like)
+    batch.__class__ = BatchMixedLatentCache
+    batch.packed, batch.quantized = packed, _flags([False] * batch.offset.size)
+    return batch
+
+
+def _become(cache, other):
+    # ``cache``, which callers hold, turned into ``other`` in place.
+    cache.__dict__.clear()
+    cache.__dict__.update(vars(other))
+    cache.__class__ = type(other)
+
+
+def _flags(values):
+    return mx.array(values, dtype=mx.bool_)
+
+
+def quantize_rows(batch, rows, group_size: int = 64, bits: int = 4):
+    """Quantizes the latent of the given rows of a batch in place; every
+    other row stays as it is. From then on each of those rows reads what it
+    would read alone, quantized; the batch turns into a
+    ``BatchQuantizedLatentCache`` once all its rows are."""
+    if isinstance(batch, BatchQuantizedLatentCache) or not rows:
+        return batch
+    if not isinstance(batch, BatchMixedLatentCache):
+        if len(set(rows)) == batch.offset.size:
+            return quantize_latent(batch, group_size, bits)
+        _mixed(batch, group_size, bits)
+    batch._quantize(rows)
+    return batch
+
+
+class BatchMixedLatentCache(BatchKVCache):
+    """A batch whose rows are quantized each on its own, so that a row's
+    precision depends on that row alone: ``mlx_lm.server --kv-bits`` gives
+    the same text to a request whatever requests share its batch.
+
+    It holds the latent as each row reads it (a ``BatchKVCache``: exact for
+    some rows, for the others as their quantized bytes decode) beside the
+    quantized bytes of every row (``packed``, a ``BatchQuantizedLatentCache``
+    of the same geometry); ``quantized`` says which rows read their bytes.
+    So it holds both while rows of both kinds share it, and turns into
+    ``packed`` once every row is quantized, or into a plain ``BatchKVCache``
+    once none is.
+    """
+
+    def update_and_fetch(self, latent, rope):
+        keys, values = self.packed._encode(latent, rope)
+        BatchKVCache.update_and_fetch(self.packed, keys, values)  # bytes, not decoded
+        decoded, _ = self.packed._decode(keys, values)
+        latent = mx.where(self.quantized[:, None, None, None], decoded, latent.astype(decoded.dtype))
+        return super().update_and_fetch(latent, rope)
+
+    def _quantize(self, rows):
+        flags = self.quantized.tolist()
+        for r in rows:
+            flags[int(r)] = True
+        self.quantized = _flags(flags)
+        if self._settle():
+            return
+        decoded, _ = self.packed._decode(self.packed.keys, self.packed.values)
+        self.keys = mx.where(self.quantized[:, None, None, None], decoded, self.keys)
+
+    def _settle(self):
+        """Turns into ``packed`` if every row is quantized, into a plain
+        batch if none is. True if it turned."""
+        flags = self.quantized.tolist()
+        if flags and all(flags):
+            _become(self, self.packed)
+            return True
+        if not any(flags):
+            del self.packed, self.quantized
+            self.__class__ = BatchKVCache
+            return True
+        return False
+
+    def prepare(self, **kwargs):
+        super().prepare(**kwargs)
+        self.packed.prepare(**kwargs)
+
+    def finalize(self):
+        super().finalize()
+        self.packed.finalize()
+
+    def trim(self, n):
+        n = super().trim(n)
+        self.packed.trim(n)
+        return n
+
+    def filter(self, batch_indices):
+        indices = _ints(batch_indices)
+        super().filter(indices)
+        self.packed.filter(indices)
+        self.quantized = self.quantized[mx.array(indices, dtype=mx.int32)] if indices else _flags([])
+        self._settle()
+
+    def extend(self, other):
+        if isinstance(other, BatchMixedLatentCache):
+            plain, packed, flags = _plain(other), other.packed, other.quantized
+        elif isinstance(other, _PackedLatent):
+            plain, packed, flags = _decoded(other, BatchKVCache), other, _flags([True] * other.offset.size)
+        else:
+            packed = quantize_latent(copy.copy(other), *_settings(self), like=self.packed)
+            plain, flags = other, _flags([False] * other.offset.size)
+        BatchKVCache.extend(self, plain)
+        self.packed.extend(packed)
+        self.quantized = mx.concatenate([self.quantized, flags])
+        self._settle()
+
+    def extract(self, idx):
+        if self.quantized[int(idx)].item():
+            return self.packed.extract(idx)
+        return BatchKVCache.extract(self, idx)
+
+    @classmethod
+    def merge(cls, caches):
+        packed = BatchQuantizedLatentCache.merge(caches)
+        plain = [_decoded(c, KVCache) if isinstance(c, _PackedLatent) else c for c in caches]
+        batch = BatchKVCache.merge(plain)
+        batch.__class__ = cls
+        batch.packed = packed
+        batch.quantized = _flags([isinstance(c, _PackedLatent) for c in caches])
+        return batch
+
+    @property
+    def nbytes(self):
+        return super().nbytes + self.packed.nbytes
 
 
 class QuantizedRotatingLatentCache(_PackedLatent, RotatingKVCache):

@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlx_lm_mla import (
+    BatchMixedLatentCache,
     BatchQuantizedLatentCache,
     QuantizedLatentCache,
     QuantizedRotatingLatentCache,
@@ -168,12 +169,13 @@ def test_a_batch_quantizes_in_place(installed):
     assert latent.shape == (2, 1, 10, LATENT) and batch.offset.tolist() == [6, 10]
 
 
-def test_merge_of_exact_and_quantized_singles_is_a_quantized_batch(installed):
+def test_merge_of_exact_and_quantized_singles_keeps_each_row_s_precision(installed):
     exact, quantized = latent_kv(5, seed=1), latent_kv(9, seed=2).to_quantized(64, 8)
     for caches in ([exact, quantized], [quantized, exact]):
         batch = caches[0].merge(caches)
-        assert type(batch) is BatchQuantizedLatentCache
+        assert type(batch) is BatchMixedLatentCache
         assert batch.offset.tolist() == [c.offset for c in caches]
+        assert [type(batch.extract(i)) for i in range(2)] == [type(c) for c in caches]
     assert type(exact) is KVCache  # the inputs are left as they were
 
 
@@ -192,20 +194,53 @@ def test_extract_gives_a_quantized_single_of_the_row(installed):
     assert latent.shape == (1, 1, 4, LATENT)
 
 
-def test_rows_that_join_a_quantized_batch_are_quantized(installed):
+def test_rows_that_join_a_quantized_batch_stay_exact(installed):
     batch = batch_of([4, 6], bits=8)
     batch.extend(batch_of([9]))
-    assert type(batch) is BatchQuantizedLatentCache
-    assert batch.offset.tolist() == [4, 6, 9]
+    assert type(batch) is BatchMixedLatentCache
+    assert batch.offset.tolist() == [4, 6, 9] and batch.quantized.tolist() == [True, True, False]
 
 
-def test_a_plain_batch_that_takes_quantized_rows_is_quantized(installed):
-    batch = batch_of([4, 6])
+def test_a_plain_batch_that_takes_quantized_rows_keeps_its_own_rows_exact(installed):
+    batch, plain = batch_of([4, 6]), batch_of([4, 6])
     batch.extend(batch_of([9], bits=8))
-    assert type(batch) is BatchQuantizedLatentCache
+    assert type(batch) is BatchMixedLatentCache
     assert batch.offset.tolist() == [4, 6, 9]
-    latent, _ = batch.update_and_fetch(*rows(1, B=3))
+    update = rows(1, B=3, seed=5)
+    latent, _ = batch.update_and_fetch(*update)
+    exact, _ = plain.update_and_fetch(*(x[:2] for x in update))
     assert latent.shape == (3, 1, 10, LATENT)
+    assert mx.array_equal(latent[:2, :, -5:], exact[:, :, -5:])  # the exact rows' own tokens, exact
+
+
+def test_a_row_of_a_mixed_batch_reads_what_it_reads_alone(installed):
+    """The quantized row of a mixed batch, and the exact one, each read what
+    the same row reads in a batch of its own kind."""
+    quantized_alone, exact_alone = batch_of([6], bits=8), batch_of([4])
+    mixed = batch_of([6], bits=8)
+    mixed.extend(batch_of([4]))
+    a, b = rows(3, B=1, seed=7), rows(3, B=1, seed=8)
+    got, _ = mixed.update_and_fetch(*(mx.concatenate([x, y]) for x, y in zip(a, b)))
+    alone_q, _ = quantized_alone.update_and_fetch(*a)
+    alone_e, _ = exact_alone.update_and_fetch(*b)
+    assert mx.array_equal(got[0], alone_q[0]) and mx.array_equal(got[1, :, 2:], alone_e[0])
+
+
+def test_a_mixed_batch_becomes_quantized_once_every_row_is(installed):
+    from mlx_lm_mla.cache import quantize_rows
+
+    batch = batch_of([4, 6, 9])
+    quantize_rows(batch, [2], 64, 8)
+    assert type(batch) is BatchMixedLatentCache and batch.quantized.tolist() == [False, False, True]
+    quantize_rows(batch, [0, 1], 64, 8)
+    assert type(batch) is BatchQuantizedLatentCache and batch.offset.tolist() == [4, 6, 9]
+
+
+def test_a_mixed_batch_whose_quantized_rows_leave_is_plain_again(installed):
+    batch = batch_of([4, 6], bits=8)
+    batch.extend(batch_of([9]))
+    batch.filter([2])
+    assert type(batch) is BatchKVCache and batch.offset.tolist() == [9]
 
 
 def test_an_empty_batch_takes_quantized_rows(installed):

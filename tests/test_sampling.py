@@ -98,3 +98,11 @@ def test_the_greedy_sampler_every_request_shares_is_left_unwrapped():
     built = sampling.guarded_make_sampler(lambda args, tokenizer: greedy)(Args(), None)
     shared = "<locals>" not in greedy.__qualname__  # mlx-lm 0.32: one module-level function
     assert (built is greedy) == shared and isinstance(built, sampling.RowSampler) != shared
+
+
+def test_the_server_s_builder_takes_request_arguments_of_any_kind():
+    class AsAClass:  # mlx-lm's own test passes a class for the request's arguments
+        pass
+
+    sampler = sampling.guarded_make_sampler(lambda args, tokenizer: make_sampler(0.8))(AsAClass, None)
+    assert sampler(row()).shape == (1,)

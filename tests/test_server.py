@@ -305,3 +305,42 @@ def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(mode
     assert [path for path, _ in cancelled] == ["/v1/chat/completions"] * 2
     assert all(int(n) < 2000 for _, n in cancelled), cancelled  # of 100000 asked for
     assert [s.text for s in streams] == fresh["solo"] and after == fresh["served"]
+
+
+if KV_BITS:  # defined only where the server has the flag, not skipped
+
+    def short_chat(server, user):
+        """A greedy request short enough to stay below --quantized-kv-start alone."""
+        body = {
+            "messages": [{"role": "user", "content": user}],
+            "max_tokens": 40,
+            "temperature": 0.0,
+            "logit_bias": {"1": -100},  # runs to max_tokens
+        }
+        status, reply = post_json(server.port, "/v1/chat/completions", body)
+        assert status == 200, reply
+        return reply["choices"][0]["message"]["content"], reply["usage"]["prompt_tokens"]
+
+    def test_a_long_prompt_beside_short_streams_changes_none_of_their_texts(model_path):
+        flags = ["--kv-bits", 4, "--quantized-kv-start", START, "--decode-concurrency", 4, "--prompt-cache-size", 0]
+        shorts = ["A", "B", "C"]
+        long_text = (SYSTEM * 40)[:4096]
+        with Server(model_path, *flags) as server:
+            alone = [short_chat(server, q) for q in shorts]
+            # The long one is generating, its row quantized, when the short ones join.
+            long = Stream(server, long_text, max_tokens=120, logit_bias={"1": -100})
+            long.start()
+            long.started.wait(120)
+            beside = [None] * len(shorts)
+
+            def run(i):
+                beside[i] = short_chat(server, shorts[i])
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shorts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            long.join()
+        assert all(n + 40 < START for _, n in alone)  # alone, they stay exact
+        assert long.error is None and beside == alone

@@ -215,7 +215,11 @@ def _keep(args, what, built):
 
 def _take(args, what):
     # What validation built for this request, handed out once.
-    return vars(args).pop(f"mlx_lm_mla_{what}", None) if hasattr(args, "__dict__") else None
+    name = f"mlx_lm_mla_{what}"
+    built = getattr(args, name, None)
+    if built is not None:
+        delattr(args, name)
+    return built
 
 
 def _shared(sampler):

@@ -15,10 +15,12 @@ from mlx_lm.models.cache import BatchKVCache
 from .. import mla
 from ..cache import (
     QUANTIZED_LATENT,
-    BatchQuantizedLatentCache,
+    BatchMixedLatentCache,
     _PackedLatent,
     extend_latent,
+    merge_latent,
     quantize_latent,
+    quantize_rows,
 )
 from ..mla import carry_mark, is_latent, leaves, mark_model_caches
 from .table import Patch
@@ -76,12 +78,13 @@ def latent_to_quantized(original):
 
 
 def latent_merge(original, owner):
-    """``BatchKVCache.merge`` that batches quantized latent caches (with any
-    exact ones among them) into a quantized batch."""
+    """``BatchKVCache.merge`` that batches quantized latent caches with
+    exact ones, each row keeping its precision (``cache.merge_latent``)."""
 
     def merge(cls, caches):
-        if cls is owner and any(isinstance(c, _PackedLatent) for c in caches):
-            return BatchQuantizedLatentCache.merge(caches)
+        batch = merge_latent(caches) if cls is owner else None
+        if batch is not None:
+            return batch
         batch = original(cls, caches)
         carry_mark(caches, batch)
         return batch
@@ -159,8 +162,8 @@ def refuse_quantized_merge(original):
 
 
 def latent_extend(original):
-    """``BatchKVCache.extend``: a batch that takes quantized rows is
-    quantized first, so one batch holds one precision."""
+    """``BatchKVCache.extend``: a batch that takes quantized rows keeps its
+    own rows exact (``cache.extend_latent``)."""
 
     def extend(self, other):
         if isinstance(self, _PackedLatent):  # reached through its super()
@@ -175,13 +178,21 @@ def latent_extend(original):
 
 
 def quantize_batches(caches, group_size, bits, start):
-    """Quantizes, in place, each plain batch cache that holds an MLA latent
-    once its longest row (``_idx``, no host sync) holds ``start`` tokens."""
-    for c in leaves(caches):
-        if (
-            type(c) in QUANTIZED_LATENT  # not a rotating batch: it cannot quantize
-            and isinstance(getattr(c, "_idx", None), int)
-            and c._idx >= start
-            and is_latent(c)
-        ):
-            quantize_latent(c, group_size, bits)
+    """Quantizes, in place, the latent of each row of a batch's caches whose
+    own length has reached ``start``: a row's precision depends on that row
+    alone, not on the longest row beside it (see ``BatchMixedLatentCache``)."""
+    batches = [
+        c
+        for c in leaves(caches)
+        if type(c) in (BatchKVCache, BatchMixedLatentCache)  # not a rotating batch
+        and c.keys is not None
+        and is_latent(c)
+    ]
+    if not batches:
+        return
+    # Every layer of one batch holds the same rows: their lengths are read once.
+    lengths = batches[0].offset.tolist()
+    for c in batches:
+        done = c.quantized.tolist() if isinstance(c, BatchMixedLatentCache) else [False] * len(lengths)
+        rows = [i for i, (n, q) in enumerate(zip(lengths, done)) if n >= start and not q]
+        quantize_rows(c, rows, group_size, bits)

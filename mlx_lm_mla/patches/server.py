@@ -57,8 +57,8 @@ def table():
 def batchable_with_kv_bits(original):
     """``ResponseGenerator._is_batchable`` that keeps batching MLA models when
     ``--kv-bits`` is set. Upstream refuses, since its quantized cache cannot
-    batch; a latent batch can, quantized once its longest row holds
-    ``--quantized-kv-start`` tokens (``generate.quantizing_next``). Other
+    batch; a latent batch can, each row quantized once its own length
+    reaches ``--quantized-kv-start`` (``generate.quantizing_next``). Other
     models keep upstream behaviour."""
 
     def _is_batchable(self, args):

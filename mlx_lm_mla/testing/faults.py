@@ -116,8 +116,9 @@ def install(spec):
     merge = vars(batch)["merge"].__func__
     patches.set_attr(batch, "merge", classmethod(wrap(merge, "merge", trigger)))
     # Every quantization of a latent, single or batch, goes through this.
-    quantize = cache_patches.quantize_latent
-    patches.set_attr(cache_patches, "quantize_latent", wrap(quantize, "to_quantized", trigger))
+    for name in ("quantize_latent", "quantize_rows"):
+        quantize = getattr(cache_patches, name)
+        patches.set_attr(cache_patches, name, wrap(quantize, "to_quantized", trigger))
     # One request's sampler in a server's generation step.
     run = sampling.RowSampler.run
     patches.set_attr(sampling.RowSampler, "run", wrap_traced(run, "sample", trigger))
