@@ -298,6 +298,12 @@ def test_the_install_is_a_distribution_importlib_metadata_sees(layout, installed
     assert "mlx_lm_mla" not in (site(layout.app) / "sitecustomize.py").read_text()
 
 
+def test_install_writes_the_runtime_and_no_test_kit(layout, installed):
+    package = site(layout.app) / "mlx_lm_mla"
+    assert (package / "patches" / "__init__.py").is_file() and (package / "guards" / "reuse.py").is_file()
+    assert not (package / "testing").exists()
+
+
 def test_install_again_changes_nothing(layout, installed, cli):
     before = tree(layout.app)
     code, out, _ = cli("install")
