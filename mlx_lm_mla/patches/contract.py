@@ -54,8 +54,6 @@ PRIVATE = (
             "evicting an entry keeps the store's byte count true"),
     Private("mlx_lm.models.cache", "LRUPromptCache._n_bytes_by_type", Field(),
             "evicting an entry keeps the store's byte count per type true"),
-    Private("mlx_lm.models.cache", "BatchKVCache._idx", Field(),
-            "a batch's length without a host sync, to quantize at --quantized-kv-start"),
     Private("mlx_lm.generate", "BatchGenerator._next", Method(("self",)),
             "the one step of BatchGenerator after which its caches can be quantized"),
     Private("mlx_lm.generate", "BatchGenerator._prompt_batch", Field(),

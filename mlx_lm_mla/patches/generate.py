@@ -14,7 +14,6 @@ BATCH_QUANTIZING = (
     "mlx_lm.generate.BatchGenerator._next",
     "mlx_lm.generate.BatchGenerator._prompt_batch",
     "mlx_lm.generate.BatchGenerator._generation_batch",
-    "mlx_lm.models.cache.BatchKVCache._idx",
 )
 
 
