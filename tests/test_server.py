@@ -344,3 +344,20 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
             long.join()
         assert all(n + 40 < START for _, n in alone)  # alone, they stay exact
         assert long.error is None and beside == alone
+
+
+def test_a_request_served_alone_whose_client_leaves_stops(model_path, tmp_path):
+    # A seed takes the request out of the batch: the server serves it alone.
+    log = tmp_path / "server.log"
+    body = {
+        "messages": [{"role": "user", "content": questions(1)[0]}],
+        "max_tokens": 100000,
+        "temperature": 0.7,
+        "seed": 3,
+        "logit_bias": {"1": -100},
+    }
+    with Server(model_path, log=log) as server:
+        hang_up_on(server.port, body)
+        text, _ = server.chat(questions(2)[1], max_tokens=8, timeout=60)
+    cancelled = re.findall(r"cancelled the request \S+ from \S+ after (\d+) tokens", log.read_text())
+    assert len(cancelled) == 1 and int(cancelled[0]) < 2000 and text
