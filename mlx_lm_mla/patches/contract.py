@@ -8,9 +8,10 @@ applied, so their feature is off, loudly, never half on.
 """
 
 import ast
+import functools
 import importlib
 import inspect
-import textwrap
+import sys
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -93,20 +94,30 @@ def _resolve(module, dotted):
     return owner
 
 
-def _assigned(cls, name):
-    # Whether some method of cls assigns self.<name>.
+@functools.lru_cache(maxsize=None)
+def _fields(module_name, class_name):
+    """The names a top-level class of a module assigns as ``self.<name>``,
+    read from the module's source once."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    return any(
-        isinstance(node, ast.Attribute)
-        and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-        and node.attr == name
-        for node in ast.walk(tree)
-    )
+        tree = ast.parse(inspect.getsource(sys.modules[module_name]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return frozenset()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return frozenset(
+                n.attr
+                for n in ast.walk(node)
+                if isinstance(n, ast.Attribute)
+                and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name)
+                and n.value.id == "self"
+            )
+    return frozenset()
+
+
+def _assigned(cls, name):
+    # Whether the class's own source assigns self.<name>.
+    return cls.__qualname__ == cls.__name__ and name in _fields(cls.__module__, cls.__name__)
 
 
 def problem(entry):
