@@ -36,11 +36,11 @@ _LATENT_FIELDS = {"kv_lora_rank", "embed_q"}
 ATTENTION = {}
 
 
-def _self_fields(function):
-    # Every name assigned as self.<name> (tuple targets too).
+def self_fields(tree):
+    """Every name assigned as ``self.<name>`` in an AST node (tuple targets too)."""
     return {
         node.attr
-        for node in ast.walk(function)
+        for node in ast.walk(tree)
         if isinstance(node, ast.Attribute)
         and isinstance(node.ctx, ast.Store)
         and isinstance(node.value, ast.Name)
@@ -78,7 +78,7 @@ def scan_source(source):
             continue
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
         init, call = methods.get("__init__"), methods.get("__call__")
-        if init is None or call is None or not _LATENT_FIELDS <= _self_fields(init):
+        if init is None or call is None or not _LATENT_FIELDS <= self_fields(init):
             continue
         written = _written(call, "cache")
         if len(written) == 1:

@@ -92,7 +92,7 @@ class Server:
             "temperature": 0.0,
             "stream": True,
         }
-        _abandon(self.port, body, after_bytes)
+        hang_up(self.port, body, after_bytes)
 
     def chat(self, user, max_tokens=200, stream=False, timeout=120, **extra):
         """One /v1/chat/completions request. Returns (text, usage) or raises
@@ -121,7 +121,9 @@ class Server:
         return _parse(raw, stream)
 
 
-def _abandon(port, body, after_bytes):
+def hang_up(port, body, after_bytes=0, linger=0.0):
+    """A chat request whose client closes its connection once it has read
+    ``after_bytes`` (0: before any reply) and waited ``linger`` seconds."""
     data = json.dumps(body).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -135,6 +137,7 @@ def _abandon(port, body, after_bytes):
             if not chunk:
                 break
             received += len(chunk)
+        time.sleep(linger)
 
 
 class RequestFailed(Exception):

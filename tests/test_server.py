@@ -8,7 +8,6 @@ defined: that server never quantizes.
 
 import json
 import re
-import socket
 import threading
 import time
 
@@ -21,6 +20,7 @@ from serving import (
     Stream,
     cached_tokens,
     four_clients,
+    hang_up,
     post_json,
     questions,
     raw_post,
@@ -262,25 +262,6 @@ def test_a_failure_in_a_non_streamed_request_gets_one_http_status(model_path):
     assert status == 200 and after["choices"][0]["text"]
 
 
-def hang_up_on(port, body, after_bytes=0):
-    """A request whose client closes its connection once it has read
-    ``after_bytes`` (0: at once, before any reply)."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(head.encode() + data)
-        received = 0
-        while received < after_bytes:
-            chunk = sock.recv(after_bytes - received)
-            if not chunk:
-                break
-            received += len(chunk)
-        time.sleep(1.0)  # generating by now
-
-
 def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(model_path, fresh, tmp_path):
     log = tmp_path / "server.log"
     huge = {  # never ends by itself: end of text is never sampled
@@ -293,8 +274,9 @@ def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(mode
         streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
         for s in streams:
             s.start()
-        hang_up_on(server.port, huge)  # not streamed: nothing is written until the end
-        hang_up_on(server.port, {**huge, "stream": True}, after_bytes=300)
+        # Each client leaves once its request is generating.
+        hang_up(server.port, huge, linger=1.0)  # not streamed: nothing is written until the end
+        hang_up(server.port, {**huge, "stream": True}, after_bytes=300, linger=1.0)
         closed = time.time()
         for s in streams:
             s.join()
@@ -357,7 +339,7 @@ def test_a_request_served_alone_whose_client_leaves_stops(model_path, tmp_path):
         "logit_bias": {"1": -100},
     }
     with Server(model_path, log=log) as server:
-        hang_up_on(server.port, body)
+        hang_up(server.port, body, linger=1.0)
         text, _ = server.chat(questions(2)[1], max_tokens=8, timeout=60)
     cancelled = re.findall(r"cancelled the request \S+ from \S+ after (\d+) tokens", log.read_text())
     assert len(cancelled) == 1 and int(cancelled[0]) < 2000 and text

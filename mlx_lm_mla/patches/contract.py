@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Tuple
 
+from ..mla import self_fields
+
 
 @dataclass(frozen=True)
 class Method:
@@ -104,14 +106,7 @@ def _fields(module_name, class_name):
         return frozenset()
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
-            return frozenset(
-                n.attr
-                for n in ast.walk(node)
-                if isinstance(n, ast.Attribute)
-                and isinstance(n.ctx, ast.Store)
-                and isinstance(n.value, ast.Name)
-                and n.value.id == "self"
-            )
+            return frozenset(self_fields(node))
     return frozenset()
 
 
