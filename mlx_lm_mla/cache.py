@@ -204,9 +204,7 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
                 return
             packed = copy.copy(self)
             _become(self, _decoded(self, BatchKVCache))
-            self.__class__ = BatchMixedLatentCache
-            self.packed, self.quantized = packed, _flags([True] * self.offset.size)
-            return self.extend(other)
+            return _mixed(self, packed, True).extend(other)
         _same_format([self, other], "extend")
         super().extend(other)
 
@@ -254,7 +252,8 @@ def extend_latent(batch, other, extend):
         if batch.offset.size == 0:  # no rows: it takes the other's kind
             quantize_latent(batch, *_settings(other), like=_packed(other))
         else:
-            _mixed(batch, *_settings(other), like=_packed(other))
+            packed = quantize_latent(copy.copy(batch), *_settings(other), like=_packed(other))
+            _mixed(batch, packed, False)
         return batch.extend(other)
     return extend(other)
 
@@ -298,12 +297,13 @@ def _plain(mixed):
     return plain
 
 
-def _mixed(batch, group_size, bits, like=None):
-    """Turns a plain batch of exact rows, in place, into a
-    ``BatchMixedLatentCache`` whose rows are all still exact."""
-    packed = quantize_latent(copy.copy(batch), group_size, bits, like=like)
+def _mixed(batch, packed, quantized):
+    """Turns ``batch``, which holds the latent as its rows read it, into a
+    ``BatchMixedLatentCache`` in place, beside ``packed`` (the same rows'
+    bytes); every row is ``quantized`` or none is, until rows of the other
+    kind join."""
     batch.__class__ = BatchMixedLatentCache
-    batch.packed, batch.quantized = packed, _flags([False] * batch.offset.size)
+    batch.packed, batch.quantized = packed, _flags([quantized] * batch.offset.size)
     return batch
 
 
@@ -328,7 +328,7 @@ def quantize_rows(batch, rows, group_size: int = 64, bits: int = 4):
     if not isinstance(batch, BatchMixedLatentCache):
         if len(set(rows)) == batch.offset.size:
             return quantize_latent(batch, group_size, bits)
-        _mixed(batch, group_size, bits)
+        _mixed(batch, quantize_latent(copy.copy(batch), group_size, bits), False)
     batch._quantize(rows)
     return batch
 

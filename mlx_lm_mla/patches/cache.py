@@ -190,9 +190,11 @@ def quantize_batches(caches, group_size, bits, start):
     ]
     if not batches:
         return
-    # Every layer of one batch holds the same rows: their lengths are read once.
-    lengths = batches[0].offset.tolist()
+    # Every layer of one batch holds the same rows, quantized alike (this
+    # loop quantizes them together): their lengths and flags are read once.
+    first = batches[0]
+    lengths = first.offset.tolist()
+    done = first.quantized.tolist() if isinstance(first, BatchMixedLatentCache) else [False] * len(lengths)
+    rows = [i for i, (n, q) in enumerate(zip(lengths, done)) if n >= start and not q]
     for c in batches:
-        done = c.quantized.tolist() if isinstance(c, BatchMixedLatentCache) else [False] * len(lengths)
-        rows = [i for i, (n, q) in enumerate(zip(lengths, done)) if n >= start and not q]
         quantize_rows(c, rows, group_size, bits)
