@@ -5,10 +5,10 @@ release, three ways:
   reference);
 - ``active``: the installed mlx-lm with the package active, as users run it,
   on ``TESTS``;
-- ``upstream form``: the sdist rewritten by ``python -m mlx_lm_mla
-  upstream-patch`` (its ``mlx_lm/`` and its ``tests/``, which gain the
-  change's own cases), with the package switched off. Only where
-  upstream-patch writes the change (mlx-lm 0.32 on); there the release and
+- ``upstream form``: the sdist with ``upstream/mla-latent-cache.patch``
+  applied by ``upstream/apply.py`` (its ``mlx_lm/`` and its ``tests/``, which
+  gain the change's own cases), with the package switched off. Only for the
+  release the patch is written for (``apply.TARGET``); there the release and
   the upstream form run the whole offline suite, every test file of the
   sdist, and the change must stay within its line budget.
 
@@ -34,11 +34,12 @@ from pathlib import Path
 
 import mlx_lm
 
-from mlx_lm_mla import upstream
 from mlx_lm_mla.testing import tiny
 
 TESTS = ["test_models.py", "test_prompt_cache.py", "test_generate.py", "test_server.py"]
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "upstream"))
+import apply  # noqa: E402  (upstream/apply.py)
 
 
 def run(*cmd, **kwargs):
@@ -101,18 +102,18 @@ def main():
     shutil.copytree(source / "tests", tests)
 
     status = 0
-    form = upstream.applies(version)
+    form = version == apply.TARGET
     if form:
         patched = work / "patched"
         shutil.copytree(source, patched)
-        run(sys.executable, "-m", "mlx_lm_mla", "upstream-patch", patched)
-        added = {under: upstream.added_lines(source, patched, under) for under in upstream.BUDGET}
-        print(f"upstream form: added lines {added}, budget {upstream.BUDGET}")
-        if any(added[k] > upstream.BUDGET[k] for k in added):
+        run(sys.executable, ROOT / "upstream" / "apply.py", patched)
+        added = apply.added_lines()
+        print(f"upstream form: added lines {added}, budget {apply.BUDGET}")
+        if any(added[k] > apply.BUDGET[k] for k in added):
             print("the upstream change is over its budget")
             status = 1
     else:
-        print(f"mlx-lm {version}: upstream-patch writes the change for {upstream.OLDEST} on; no upstream form here")
+        print(f"mlx-lm {version}: the upstream form is written for mlx-lm {apply.TARGET}; not tested here")
 
     whole = sorted(p.name for p in tests.glob("test_*.py")) if form else TESTS
     release = outcomes("release", tests, work, whole)

@@ -5,7 +5,6 @@ import sys
 COMMANDS = {
     "repro": ("mlx_lm_mla.repro", "replay the reported failure: stock mlx-lm against the fix"),
     "serve": ("mlx_lm_mla.server", "run mlx_lm.server with the fix (same flags)"),
-    "upstream-patch": ("mlx_lm_mla.upstream", "write the upstream form of the fix into an mlx-lm tree"),
     "lmstudio": ("mlx_lm_mla.lmstudio", "install|status|uninstall the fix in LM Studio's MLX engine"),
 }
 

@@ -8,8 +8,8 @@ caches serve them well; only quantization goes wrong, since
 
 The caches here subclass stock's, so other programs that know stock's class
 names keep working; ``patches/cache.py`` turns a stock cache into one of
-them in place. The upstream form of the fix is its own code
-(``upstream_cache.py``).
+them in place. The upstream form of the fix is its own code, outside the
+package (``upstream/``).
 """
 
 import copy

@@ -1,7 +1,7 @@
 """Which models are MLA, and which caches hold their latent: known from the
 attention that writes them. The one place that knows: the patches, the
-upstream generator, the tiny test models and the README's model table all
-read it.
+tiny test models, the README's model table and the upstream form's tests
+(which check that its patch covers every model found here) all read it.
 
 An MLA attention (DeepSeek-V3, GLM-4.7-Flash, Kimi, LongCat, ...) writes its
 compressed latent and RoPE key into one cache. Their widths say nothing

@@ -126,5 +126,5 @@ def test_the_module_check_catches_an_old_name():
 def test_mlx_lm_mla_help_lists_the_commands():
     out = run("-m", "mlx_lm_mla", "--help", timeout=60)
     assert out.returncode == 0, out.stderr
-    for command in ("repro", "serve", "upstream-patch", "lmstudio"):
+    for command in ("repro", "serve", "lmstudio"):
         assert re.search(rf"^\s+{re.escape(command)}\s", out.stdout, re.M), command

@@ -1,11 +1,12 @@
-"""``upstream-patch``: the fix as a small mlx-lm change, with its own code
-(``upstream_cache.py``, ``upstream_tests.py``), tested on its own.
+"""The upstream form of the fix: ``upstream/mla-latent-cache.patch``, applied
+to an mlx-lm tree by ``upstream/apply.py``, and tested on its own.
 
-The tree is the installed mlx-lm release, copied as it was unpacked from its
-wheel, with stand-ins for the two test files of mlx-lm's sdist that the
-change adds cases to. The checks in ``upstream_form/`` then run against the
-patched tree alone, with this package switched off. Where upstream-patch
-does not write the change (mlx-lm 0.31), only its refusal is tested.
+The tree is the installed mlx-lm release, copied as its wheel unpacked it
+(no ``tests/``, so only the change's ``mlx_lm/`` part applies; CI applies the
+whole patch to the release's sdist and runs mlx-lm's suite on it). The checks
+in ``upstream_form/`` then run against the patched tree alone, with this
+package switched off. Where the installed release is not the one the patch is
+written for, only the refusals are tested.
 """
 
 import os
@@ -17,84 +18,44 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
-from mlx_lm_mla import upstream
-
 HERE = Path(__file__).resolve().parent
-APPLIES = upstream.applies(mlx_lm.__version__)
+sys.path.insert(0, str(HERE.parent / "upstream"))
+import apply  # noqa: E402  (upstream/apply.py)
+
+TARGET = mlx_lm.__version__ == apply.TARGET
 
 
-# mlx-lm's test files as far as the change touches them: the imports its
-# cases use (both files have them), a block of names from mlx_lm.models.cache
-# and the unittest main block. CI counts the lines on the real files too.
-TEST_FILE = """import importlib
-import os
-import tempfile
-import unittest
-
-import mlx.core as mx
-
-from mlx_lm.models.cache import (
-    KVCache,
-    RotatingKVCache,
-    load_prompt_cache,
-    make_prompt_cache,
-    save_prompt_cache,
-)
-
-
-class TestExisting(unittest.TestCase):
-    def test_kv_cache(self):
-        self.assertEqual(KVCache().offset, 0)
-
-
-if __name__ == "__main__":
-    unittest.main()
-"""
-
-
-def release_tree(dest):
+def release_tree(dest, version=None):
     shutil.copytree(Path(mlx_lm.__file__).parent, dest / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
-    (dest / "tests").mkdir()
-    for name in upstream.TEST_IMPORTS:
-        (dest / "tests" / name).write_text(TEST_FILE)
+    if version is not None:
+        (dest / "mlx_lm/_version.py").write_text(f'__version__ = "{version}"\n')
     return dest
 
 
 def test_a_tree_that_is_not_mlx_lm_is_refused(tmp_path):
-    with pytest.raises(upstream.UnknownTree, match="not an mlx-lm source tree"):
-        upstream.patch_tree(tmp_path)
+    with pytest.raises(apply.UnfitTree, match="not an mlx-lm source tree"):
+        apply.apply(tmp_path)
 
 
-def test_an_older_release_is_refused_by_name(tmp_path):
-    tree = release_tree(tmp_path)
-    (tree / "mlx_lm/_version.py").write_text('__version__ = "0.31.3"\n')
-    with pytest.raises(upstream.UnknownTree, match=r"is mlx-lm 0\.31\.3: .* for mlx-lm 0\.32 and later"):
-        upstream.patch_tree(tree)
-
-
-def test_a_refused_tree_is_left_as_it_was(tmp_path):
-    tree = release_tree(tmp_path)
-    (tree / "mlx_lm/_version.py").write_text('__version__ = "0.31.3"\n')
+def test_another_release_is_refused_by_name_and_left_as_it_was(tmp_path):
+    tree = release_tree(tmp_path, "0.31.3")
     before = (tree / "mlx_lm/models/cache.py").read_text()
-    with pytest.raises(upstream.UnknownTree):
-        upstream.patch_tree(tree)
+    with pytest.raises(apply.UnfitTree, match=rf"is mlx-lm 0\.31\.3; the change is written for mlx-lm {apply.TARGET}"):
+        apply.apply(tree)
     assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
 
 def test_the_command_refuses_an_unknown_tree_clearly(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_mla", "upstream-patch", str(tmp_path)],
+        [sys.executable, str(HERE.parent / "upstream/apply.py"), str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2 and "is not an mlx-lm source tree" in out.stderr
 
 
-def run_pytest(tree, target, cwd, *args):
-    env = {**os.environ, "MLX_LM_MLA_DISABLE": "1", "PYTHONPATH": str(tree)}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(target)],
-        capture_output=True, text=True, timeout=1200, env=env, cwd=cwd,
-    )
+@pytest.mark.parametrize("under", ["mlx_lm", "tests"])
+def test_the_change_stays_within_the_budget(under):
+    assert 0 < apply.added_lines()[under] <= apply.BUDGET[under]
 
 
 def test_the_hub_stand_in_loads_offline(tmp_path):
@@ -111,62 +72,52 @@ def test_the_hub_stand_in_loads_offline(tmp_path):
     assert out.stdout.split() == ["mlx_lm.models.qwen2", "4"]
 
 
-# Where upstream-patch writes the change (mlx-lm 0.32 on). Older trees are
-# refused, which the tests above check at every leg.
-if APPLIES:
+if TARGET:
 
     @pytest.fixture(scope="module")
-    def trees(tmp_path_factory):
-        base = tmp_path_factory.mktemp("upstream")
-        original = release_tree(base / "original")
-        patched = release_tree(base / "patched")
-        changed = upstream.patch_tree(patched)
-        return original, patched, changed
+    def patched(tmp_path_factory):
+        tree = release_tree(tmp_path_factory.mktemp("upstream"))
+        return tree, apply.apply(tree)
 
-    @pytest.mark.parametrize("under", ["mlx_lm", "tests"])
-    def test_the_change_stays_within_the_budget(trees, under):
-        original, patched, _ = trees
-        assert 0 < upstream.added_lines(original, patched, under) <= upstream.BUDGET[under]
+    def test_it_changes_the_cache_module_generate_server_and_every_mla_model(patched):
+        from mlx_lm_mla import mla
 
-    def test_it_changes_the_cache_module_mla_models_and_two_test_files(trees):
-        _, patched, changed = trees
-        names = {p.name for p in changed}
-        assert {"cache.py", "deepseek_v3.py", "deepseek_v32.py", "longcat_flash.py"} <= names
-        assert {"test_prompt_cache.py", "test_models.py"} <= names
-        assert not names & {"deepseek_v2.py", "minicpm3.py", "llama.py", "generate.py", "glm_moe_dsa.py"}
+        tree, changed = patched
+        names = {p.relative_to(tree / "mlx_lm").as_posix() for p in changed}
+        models = mla.model_types(tree / "mlx_lm" / "models")
+        # glm_moe_dsa and longcat_flash_ngram's relatives inherit their caches.
+        own = {f"models/{t}.py" for t in models} - {"models/glm_moe_dsa.py"}
+        assert own <= names
+        assert names - own == {"models/cache.py", "models/base.py", "generate.py", "server.py"}
 
-    def test_the_cache_module_carries_the_upstream_code(trees):
-        _, patched, _ = trees
-        assert (patched / "mlx_lm/models/cache.py").read_text().endswith(upstream.cache_code())
+    def test_a_patched_tree_is_refused(patched):
+        with pytest.raises(apply.UnfitTree, match="has the change already"):
+            apply.apply(patched[0])
 
-    def test_the_added_tests_join_mlx_lms_test_files(trees):
-        _, patched, _ = trees
-        text = (patched / "tests/test_models.py").read_text()
-        assert text.index("class TestLatentModels(") < text.index('if __name__ == "__main__":')
-        assert "    LatentKVCache,\n    QuantizedLatentKVCache,\n" in text
-
-    def test_a_patched_tree_is_refused(trees):
-        with pytest.raises(upstream.UnknownTree, match="patched already"):
-            upstream.patch_tree(trees[1])
+    def test_a_tree_whose_files_differ_from_the_release_is_refused_by_file(tmp_path):
+        tree = release_tree(tmp_path)
+        base = tree / "mlx_lm/models/base.py"
+        base.write_text(base.read_text().replace('hasattr(cache, "bits")', 'hasattr(cache, "bits") '))
+        before = (tree / "mlx_lm/models/cache.py").read_text()
+        with pytest.raises(apply.UnfitTree, match=r"not mlx-lm .* as released: .*mlx_lm/models/base\.py"):
+            apply.apply(tree)
+        assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
     def test_the_command_prints_the_files_it_changed(tmp_path):
         tree = release_tree(tmp_path)
         out = subprocess.run(
-            [sys.executable, "-m", "mlx_lm_mla", "upstream-patch", str(tree)],
+            [sys.executable, str(HERE.parent / "upstream/apply.py"), str(tree)],
             capture_output=True, text=True, timeout=120,
         )
         assert out.returncode == 0, out.stderr
         assert str(tree / "mlx_lm/models/cache.py") in out.stdout.splitlines()
 
-    def test_the_patched_tree_passes_on_its_own(trees, tmp_path):
-        _, patched, _ = trees
-        out = run_pytest(patched, HERE / "upstream_form", tmp_path, "-o", "python_files=check_*.py")
+    def test_the_patched_tree_passes_on_its_own(patched, tmp_path):
+        env = {**os.environ, "MLX_LM_MLA_DISABLE": "1", "PYTHONPATH": str(patched[0])}
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=check_*.py",
+             str(HERE / "upstream_form")],
+            capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
         assert " passed" in out.stdout.splitlines()[-1]
-
-    def test_the_added_mlx_lm_tests_pass_on_the_patched_tree(trees):
-        _, patched, _ = trees
-        tests = patched / "tests"
-        out = run_pytest(patched, tests, tests, "-k", "TestLatent")
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-        assert out.stdout.splitlines()[-1].startswith("7 passed")

@@ -1,12 +1,20 @@
-"""The upstream form of the fix on its own: an mlx-lm tree rewritten by
-``upstream-patch``, first on the path, with this package switched off.
+"""The upstream form of the fix on its own: an mlx-lm tree with
+``upstream/mla-latent-cache.patch`` applied, first on the path, with this
+package switched off.
 
 Run by ``tests/test_upstream.py`` as
 ``MLX_LM_MLA_DISABLE=1 PYTHONPATH=<patched tree> pytest -o python_files=check_*.py``.
 Everything here is reached through mlx-lm alone.
 """
 
+import json
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -80,7 +88,7 @@ def test_the_patched_tree_runs_alone():
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
 def test_every_latent_attention_gets_a_latent_kv_cache(model_type):
     model, _ = tiny.build_model(model_type)
-    latent = [c for c in leaves(make_prompt_cache(model)) if type(c) is cache.LatentKVCache]
+    latent = [c for c in leaves(make_prompt_cache(model)) if type(c) is cache.MLALatentCache]
     assert len(latent) == latent_attention(model) > 0
 
 
@@ -97,9 +105,9 @@ def test_logits_match_a_full_forward_and_the_latent_quantizes(model_type, bits):
     if bits is None:
         assert mx.allclose(got, full, atol=1e-4, rtol=1e-4).item()
     else:
-        quantized = [c for c in leaves(caches) if type(c) is cache.QuantizedLatentKVCache]
+        quantized = [c for c in leaves(caches) if type(c) is cache.QuantizedMLALatentCache]
         assert len(quantized) == latent_attention(model)
-        assert all(c.latent_bits == bits and c.offset == len(PROMPT) for c in quantized)
+        assert all(c.bits == bits and c.offset == len(PROMPT) for c in quantized)
         assert mx.isfinite(got).all().item()
 
 
@@ -111,8 +119,8 @@ def test_the_reported_failure_is_gone(model_type):
     for prompt in requests(6):
         history, out = serve(model, caches, history, prompt, 4)
         assert len(out) == 12
-    assert not any(isinstance(c, cache.LatentKVCache) for c in leaves(caches))
-    assert any(isinstance(c, cache.QuantizedLatentKVCache) for c in leaves(caches))
+    assert not any(isinstance(c, cache.MLALatentCache) for c in leaves(caches))
+    assert any(isinstance(c, cache.QuantizedMLALatentCache) for c in leaves(caches))
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
@@ -125,18 +133,14 @@ def test_reuse_without_quantization_is_exact(model_type):
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
-def test_max_kv_size_holds_at_most_that_many_tokens(model_type):
+def test_max_kv_size_keeps_the_released_behaviour(model_type):
+    # A model without make_cache gets windows; one with it ignores the size.
     model, _ = tiny.build_model(model_type)
-    caches = prefilled(model, PROMPT, max_kv_size=16)
-    for t in PROMPT[:3]:
-        model(mx.array([[t]]), cache=caches)
-    windows = [c for c in leaves(caches) if hasattr(c, "keys")]
-    assert len(windows) >= latent_attention(model)
-    for c in windows:
-        assert type(c) is cache.RotatingKVCache and (c.max_size, c.keep) == (16, 4)
-        assert c.keys.shape[2] == 16 and c.offset == len(PROMPT) + 3
-    with pytest.raises(NotImplementedError, match="RotatingKVCache Quantization NYI"):
-        maybe_quantize_kv_cache(caches, 0, 64, 4)
+    windows = [c for c in leaves(make_prompt_cache(model, max_kv_size=16)) if type(c) is cache.RotatingKVCache]
+    if hasattr(model, "make_cache"):
+        assert windows == []
+    else:
+        assert len(windows) == len(model.layers) and all(c.max_size == 16 for c in windows)
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32", "longcat_flash_ngram"])
@@ -154,8 +158,8 @@ def test_save_and_load_continue_exactly(model_type, bits, tmp_path):
 
 
 def test_an_empty_latent_cache_quantizes_to_an_empty_one():
-    empty = cache.LatentKVCache().to_quantized(group_size=64, bits=4)
-    assert type(empty) is cache.QuantizedLatentKVCache and empty.empty() and empty.offset == 0
+    empty = cache.MLALatentCache().to_quantized(group_size=64, bits=4)
+    assert type(empty) is cache.QuantizedMLALatentCache and empty.empty() and empty.offset == 0
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32"])
@@ -170,3 +174,60 @@ def test_batching_without_kv_bits_still_works(model_type):
             tokens[r.uid].append(r.token)
     gen.close()
     assert list(tokens.values()) == alone
+
+
+@pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
+def test_merged_rows_decode_with_a_quantized_latent(model_type):
+    """Three caches made, filled, merged with ``type(c).merge``, extracted,
+    then decoded with kv_bits 4 from position 0: the latent is quantized."""
+    model, _ = tiny.build_model(model_type)
+    caches = [prefilled(model, PROMPT[:n]) for n in (5, 9, 3)]
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    for i in range(3):
+        row = [c.extract(i) for c in batch]
+        steps = generate_step(mx.array([7]), model, prompt_cache=row, max_tokens=3,
+                              kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+        assert len(list(steps)) == 3
+        quantized = [c for c in leaves(row) if type(c) is cache.QuantizedMLALatentCache]
+        assert len(quantized) == latent_attention(model)
+
+
+def _stream(port, prompt, times):
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0.0, "stream": True,
+            "logit_bias": {str(tiny.EOS_TOKEN_ID): -100}}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                times.setdefault(prompt, []).append(time.monotonic())
+
+
+def test_the_server_batches_concurrent_requests_under_kv_bits(tmp_path):
+    """``mlx_lm.server --kv-bits 4 --decode-concurrency 4``: four requests sent
+    together all stream their first token before any streams its last."""
+    model = tiny.save_model(tmp_path / "glm", "glm4_moe_lite")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--kv-bits", "4", "--quantized-kv-start", "0", "--decode-concurrency", "4"]
+    server = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port), *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        times = {}
+        threads = [threading.Thread(target=_stream, args=(port, f"request {i} says", times)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert len(times) == 4 and all(len(t) > 5 for t in times.values())
+    assert max(t[0] for t in times.values()) < min(t[-1] for t in times.values())
