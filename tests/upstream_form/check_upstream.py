@@ -231,3 +231,20 @@ def test_the_server_batches_concurrent_requests_under_kv_bits(tmp_path):
         server.wait(timeout=30)
     assert len(times) == 4 and all(len(t) > 5 for t in times.values())
     assert max(t[0] for t in times.values()) < min(t[-1] for t in times.values())
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32"])
+def test_generate_refuses_a_prompt_cache_file_quantized_otherwise(model_type, tmp_path):
+    """``mlx_lm.generate --prompt-cache-file`` with other ``--kv-bits`` than
+    the file's quantized latent: refused by name, as for QuantizedKVCache."""
+    path = tiny.save_model(tmp_path / "m", model_type)
+    model, _ = tiny.build_model(model_type)
+    caches = prefilled(model, PROMPT[:9])
+    maybe_quantize_kv_cache(caches, 0, 32, 4)
+    cache.save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm.generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2",
+         "--prompt-cache-file", str(tmp_path / "c.safetensors"), "--kv-bits", "8", "--kv-group-size", "32"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode != 0 and "--kv-bits does not match" in out.stderr
