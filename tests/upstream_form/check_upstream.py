@@ -192,11 +192,12 @@ def test_merged_rows_decode_with_a_quantized_latent(model_type):
         assert len(quantized) == latent_attention(model)
 
 
-def _stream(port, prompt, times):
-    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0.0, "stream": True,
+def _stream(port, prompt, times, together):
+    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0.0, "stream": True,
             "logit_bias": {str(tiny.EOS_TOKEN_ID): -100}}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
+    together.wait()
     with urllib.request.urlopen(request, timeout=120) as response:
         for line in response:
             if line.startswith(b"data: {"):
@@ -220,8 +221,8 @@ def test_the_server_batches_concurrent_requests_under_kv_bits(tmp_path):
                 break
             except OSError:
                 time.sleep(0.2)
-        times = {}
-        threads = [threading.Thread(target=_stream, args=(port, f"request {i} says", times)) for i in range(4)]
+        times, together = {}, threading.Barrier(4)
+        threads = [threading.Thread(target=_stream, args=(port, f"request {i} says", times, together)) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
