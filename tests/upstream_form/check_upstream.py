@@ -249,3 +249,25 @@ def test_generate_refuses_a_prompt_cache_file_quantized_otherwise(model_type, tm
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode != 0 and "--kv-bits does not match" in out.stderr
+
+
+def _latent(n, bits=None, group_size=32):
+    c = cache.MLALatentCache()
+    c.update_and_fetch(mx.ones((1, 1, n, 64)), mx.ones((1, 1, n, 16)))
+    return c if bits is None else c.to_quantized(group_size=group_size, bits=bits)
+
+
+def test_rows_quantized_two_ways_are_refused_by_name_in_any_order():
+    rows = [_latent(0, 8, 64), _latent(5), _latent(3, 4, 32), _latent(2, 8, 64)]
+    for order in (rows, rows[::-1]):
+        with pytest.raises(ValueError, match="MLA latent caches quantized differently"):
+            cache.MLALatentCache.merge(order)
+    batch = cache.MLALatentCache.merge(rows[:3])  # the empty row takes the others' format
+    assert (batch.group_size, batch.bits, batch.offset.tolist()) == (32, 4, [0, 5, 3])
+
+
+def test_a_cache_list_refuses_to_requantize_like_a_single_cache():
+    listed = cache.MLACacheList(_latent(3), cache.KVCache()).to_quantized(group_size=32, bits=4)
+    assert listed.to_quantized(group_size=32, bits=4) is listed
+    with pytest.raises(ValueError, match="quantized once"):
+        listed.to_quantized(group_size=64, bits=8)
