@@ -11,7 +11,7 @@ import uuid
 from safetensors import SafetensorError, safe_open
 
 from ..mla import is_latent, leaves
-from ..patches.files import CHECKSUM, CorruptCacheFile, DataChecksum
+from ..patches.files import CHECKSUM, CorruptCacheFile, DataChecksum, check_cache_file
 
 RECORD = "mlx_lm_mla_disk"  # the file's own record, in its metadata
 TEMP = ".tmp-"  # temporary files: .tmp-<pid>-<random>.safetensors
@@ -47,7 +47,9 @@ def write_temp(folder, cache, record):
     import mlx_lm.models.cache as cache_module
 
     metadata = {RECORD: json.dumps(record, sort_keys=True)}
-    if not any(is_latent(c) for c in leaves(cache)):  # latent caches get one from save
+    # The package's save_prompt_cache gives a latent cache its checksum.
+    patched = hasattr(cache_module.save_prompt_cache, "mlx_lm_mla_original")
+    if not (patched and any(is_latent(c) for c in leaves(cache))):
         checksum = DataChecksum()
         cache_module.save_prompt_cache(checksum, cache, metadata)
         metadata[CHECKSUM] = checksum.value()
@@ -90,6 +92,8 @@ def read(path, record):
     ):
         if saved.get(key) != record[key]:
             raise CorruptCacheFile(f"the file holds a cache of {why}")
+    if not hasattr(cache_module.load_prompt_cache, "mlx_lm_mla_original"):
+        check_cache_file(path)  # the package's load_prompt_cache checks it itself
     try:
         return cache_module.load_prompt_cache(path)
     except CorruptCacheFile:
