@@ -76,7 +76,7 @@ def read(path, record):
         with safe_open(path, framework="numpy") as f:
             metadata = f.metadata() or {}
     except SafetensorError as e:
-        raise CorruptCacheFile(f"unreadable header ({e})")
+        raise CorruptCacheFile(f"truncated or corrupt: unreadable header or data ({e})")
     # save_prompt_cache nests the caller's metadata under a prefix.
     found = {k.rpartition(".")[2]: v for k, v in metadata.items()}
     if RECORD not in found or CHECKSUM not in found:
