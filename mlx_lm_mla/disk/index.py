@@ -28,64 +28,70 @@ CREATE INDEX IF NOT EXISTS entries_by_use ON entries (last_used);
 
 
 class Index:
-    """One connection, shared by the server's generation thread (lookups)
-    and the tier's writer thread, one statement or transaction at a time."""
+    """The index of one directory. Each thread (the server's generation
+    thread, the tier's writer) has its own connection, so a lookup never
+    waits on a write of this process beyond SQLite's own short locks."""
 
     def __init__(self, folder):
-        path = os.path.join(folder, NAME)
+        self.path = os.path.join(folder, NAME)
         # Created empty with the user's permissions only; SQLite gives its
         # journal the database file's permissions.
-        os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-        self.lock = threading.RLock()
-        with self.lock:
-            self.db.executescript(_SCHEMA)
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        self._local = threading.local()
+        self._all = []
+        self.db.executescript(_SCHEMA)
+
+    @property
+    def db(self):
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            self._local.db = db
+            self._all.append(db)
+        return db
 
     def close(self):
-        with self.lock:
-            self.db.close()
+        for db in self._all:
+            db.close()
+        self._all.clear()
+        self._local = threading.local()
 
     @contextlib.contextmanager
     def transaction(self):
-        """A write transaction: other processes wait until it ends."""
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
+        """A write transaction: other processes' writes wait until it ends."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def rows(self, model_digest, cache_digest):
         """(name, tokens, trimmable) of every entry for these digests."""
-        with self.lock:
-            return self.db.execute(
-                "SELECT name, tokens, trimmable FROM entries WHERE model_digest = ? AND cache_digest = ?",
-                (model_digest, cache_digest),
-            ).fetchall()
+        return self.db.execute(
+            "SELECT name, tokens, trimmable FROM entries WHERE model_digest = ? AND cache_digest = ?",
+            (model_digest, cache_digest),
+        ).fetchall()
 
     def others(self, model, model_digest, cache_digest):
         """(name, tokens, model_digest, cache_digest) of the entries of the
         same model path made with other files or settings."""
-        with self.lock:
-            return self.db.execute(
-                "SELECT name, tokens, model_digest, cache_digest FROM entries "
-                "WHERE model = ? AND NOT (model_digest = ? AND cache_digest = ?)",
-                (model, model_digest, cache_digest),
-            ).fetchall()
+        return self.db.execute(
+            "SELECT name, tokens, model_digest, cache_digest FROM entries "
+            "WHERE model = ? AND NOT (model_digest = ? AND cache_digest = ?)",
+            (model, model_digest, cache_digest),
+        ).fetchall()
 
     def touch(self, name):
-        with self.lock:
-            self.db.execute("UPDATE entries SET last_used = ? WHERE name = ?", (time.time(), name))
+        self.db.execute("UPDATE entries SET last_used = ? WHERE name = ?", (time.time(), name))
 
     def has(self, name):
-        with self.lock:
-            return self.db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone() is not None
+        return self.db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone() is not None
 
     def total_bytes(self):
-        with self.lock:
-            return self.db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+        return self.db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
 
     # Inside a transaction:
 
