@@ -49,7 +49,7 @@ VARIANTS = {
     "glm-bf16": ("glm4_moe_lite", GLM, []),
     "glm-4bit": ("glm4_moe_lite", GLM,
                  ["--kv-bits", 4, "--quantized-kv-start", 0]),
-    "qwen2-bf16": ("qwen2", {}, []),
+    "qwen2-bf16": ("qwen2", {"max_position_embeddings": 65536}, []),
 }
 
 
