@@ -259,3 +259,28 @@ def test_the_flags_are_taken_out_of_the_command_line():
     for bad in (["--prompt-cache-dir-bytes", "1G"], ["--prompt-cache-dir"], ["--prompt-cache-dir", "d", "--prompt-cache-dir-bytes", "-3"]):
         with pytest.raises(ValueError, match="prompt-cache-dir"):
             take_flags(bad)
+
+
+@pytest.mark.parametrize("model_type,kv_bits", [("glm4_moe_lite", 4), ("deepseek_v32", None), ("qwen2", None)])
+def test_a_restored_cache_continues_as_the_one_stored(model_type, kv_bits, tiers, tmp_path):
+    """A latent packed at 4 bits, a CacheList (DeepSeek-V3.2's indexer keys
+    beside the latent), and a model without MLA."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_mla.testing import tiny
+
+    path = tiny.save_model(tmp_path / model_type, model_type)
+    model, _ = tiny.load(path)
+    key = (str(path), None, None)
+    tokens = prompt(80, 4)
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    if kv_bits:
+        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=kv_bits)
+    tier = tiers()
+    tier.store(key, tokens, cache)
+    tier.flush()
+    restored, rest = tier.restore(key, tokens + [7, 8], 0)
+    assert [type(c).__name__ for c in restored] == [type(c).__name__ for c in cache]
+    assert mx.array_equal(model(mx.array(rest)[None], cache=restored), model(mx.array(rest)[None], cache=cache))
