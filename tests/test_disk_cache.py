@@ -67,6 +67,13 @@ def test_a_new_server_restores_the_conversation_from_disk_and_answers_as_a_fresh
     assert restored == expected
     assert os.stat(folder).st_mode & 0o777 == 0o700
     assert {os.stat(p).st_mode & 0o777 for p in folder.iterdir()} == {0o600}
+    # A changed byte in every file: refused, and the prompt prefilled.
+    for path in folder.glob("*.safetensors"):
+        flip_last_byte(path)
+    with Server(model_path, "--prompt-cache-dir", folder, *flags, log=tmp_path / "log") as server:
+        prefilled, usage = answer(server.port, turn)
+    assert cached_tokens(usage) == 0 and prefilled == expected
+    assert "checksum does not match" in (tmp_path / "log").read_text()
 
 
 # --- the tier itself, without a server ---------------------------------------
@@ -256,7 +263,8 @@ def test_the_flags_are_taken_out_of_the_command_line():
     rest, folder, size = take_flags(["--model", "m", "--prompt-cache-dir", "d", "--prompt-cache-dir-bytes=2G"])
     assert (rest, folder, size) == (["--model", "m"], "d", 2 << 30)
     assert parse_size("500000") == 500000
-    for bad in (["--prompt-cache-dir-bytes", "1G"], ["--prompt-cache-dir"], ["--prompt-cache-dir", "d", "--prompt-cache-dir-bytes", "-3"]):
+    for bad in (["--prompt-cache-dir-bytes", "1G"], ["--prompt-cache-dir"], ["--prompt-cache-dir="],
+                ["--prompt-cache-dir", "d", "--prompt-cache-dir-bytes", "-3"]):
         with pytest.raises(ValueError, match="prompt-cache-dir"):
             take_flags(bad)
 

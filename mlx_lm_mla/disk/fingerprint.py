@@ -64,15 +64,17 @@ def cache_settings(cli_args):
     """The server's settings and library versions a stored cache depends on."""
     import mlx.core as mx
     import mlx_lm
+    import mlx_lm.models.cache as cache_module
 
-    from .. import patches
     from ..cache import LAYOUT
 
+    # The package's latent caches are registered there while it is active.
+    active = hasattr(cache_module, "QuantizedLatentCache")
     return {
         "format": FORMAT,
         "mlx_lm": mlx_lm.__version__,
         "mlx": mx.__version__,
-        "latent_layout": LAYOUT if patches.installed() else None,
+        "latent_layout": LAYOUT if active else None,
         "kv_bits": getattr(cli_args, "kv_bits", None),
         "kv_group_size": getattr(cli_args, "kv_group_size", None),
         "quantized_kv_start": getattr(cli_args, "quantized_kv_start", None),

@@ -64,6 +64,8 @@ def take_flags(argv):
         i += 1
     if BYTES in found and DIR not in found:
         raise ValueError(f"{BYTES} needs {DIR}")
+    if DIR in found and not found[DIR].strip():
+        raise ValueError(f"{DIR}: expected a directory, got an empty value")
     size = parse_size(found[BYTES]) if BYTES in found else DEFAULT_BYTES
     return rest, found.get(DIR), size
 
