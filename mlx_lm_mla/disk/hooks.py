@@ -104,6 +104,16 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # the server stops as on Ctrl-C, the tier's writes finish
 
 
+def loaded_paths(key, cli_args):
+    """The paths a server's model key loads. mlx-lm 0.31's server keys its
+    command line's model as "default_model" (with its adapter and draft
+    model); 0.32's keys hold the paths themselves."""
+    if not (isinstance(key, (tuple, list)) and len(key) == 3 and key[0] == "default_model"):
+        return key
+    draft = getattr(cli_args, "draft_model", None) if key[2] == "default_model" else key[2]
+    return (cli_args.model, key[1] or getattr(cli_args, "adapter_path", None), draft)
+
+
 def with_tier(run):
     """``mlx_lm.server.run`` that opens the disk tier for the server's
     lifetime when ``--prompt-cache-dir`` is given, and on SIGTERM stops as
@@ -118,7 +128,8 @@ def with_tier(run):
         if getattr(model_provider, "is_distributed", False):
             logger.warning("mlx-lm-mla: %s is not supported for a distributed server; prompt caches stay in RAM", DIR)
             return run(host, port, model_provider, *args, **kwargs)
-        tier = DiskTier(_flags["folder"], _flags["max_bytes"], cache_settings(model_provider.cli_args))
+        tier = DiskTier(_flags["folder"], _flags["max_bytes"], cache_settings(model_provider.cli_args),
+                        paths=lambda key: loaded_paths(key, model_provider.cli_args))
         logger.info("mlx-lm-mla: prompt caches on disk in %s (up to %d bytes)", tier.folder, tier.max_bytes)
         ACTIVE.append(tier)
         main_thread = threading.current_thread() is threading.main_thread()

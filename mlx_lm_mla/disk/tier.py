@@ -63,8 +63,9 @@ class DiskTier:
     either both or a stray file that the next ``sweep`` removes.
     """
 
-    def __init__(self, folder, max_bytes, settings, pending=8):
+    def __init__(self, folder, max_bytes, settings, pending=8, paths=None):
         self.folder = open_folder(folder)
+        self._paths = paths or (lambda model: model)  # model key: the paths it loads
         self.max_bytes = int(max_bytes)
         self.cache_digest = cache_digest(settings)
         self.index = Index(self.folder)
@@ -78,7 +79,7 @@ class DiskTier:
 
     def model_digest(self, model):
         if model not in self._digests:
-            digest = model_digest(model)
+            digest = model_digest(self._paths(model))
             if digest is None:
                 logger.warning("mlx-lm-mla: the files of model %s are not on disk; its prompt caches stay in RAM", model)
             self._digests[model] = digest
