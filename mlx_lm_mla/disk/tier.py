@@ -107,11 +107,15 @@ class DiskTier:
         if self.index.has(name):
             self.index.touch(name)  # stored already, by this server or another
             return
-        job = (repr(model), digest, blob, name, files.snapshot(cache), cache_module.can_trim_prompt_cache(cache))
+        behind = "mlx-lm-mla: disk writes fall behind; a prompt cache of %d tokens stays in RAM only"
+        if self._queue.full():  # checked first: a snapshot costs a copy
+            logger.warning(behind, len(tokens))
+            return
+        trimmable = cache_module.can_trim_prompt_cache(cache)
         try:
-            self._queue.put_nowait(job)
+            self._queue.put_nowait((repr(model), digest, blob, name, files.snapshot(cache), trimmable))
         except queue.Full:
-            logger.warning("mlx-lm-mla: disk writes fall behind; a prompt cache of %d tokens stays in RAM only", len(tokens))
+            logger.warning(behind, len(tokens))
 
     def restore(self, model, tokens, have=0):
         """``(cache, tokens[n:])`` for the cache on disk that covers the
