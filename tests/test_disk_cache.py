@@ -292,3 +292,7 @@ def test_a_restored_cache_continues_as_the_one_stored(model_type, kv_bits, tiers
     restored, rest = tier.restore(key, tokens + [7, 8], 0)
     assert [type(c).__name__ for c in restored] == [type(c).__name__ for c in cache]
     assert mx.array_equal(model(mx.array(rest)[None], cache=restored), model(mx.array(rest)[None], cache=cache))
+
+
+def test_the_servers_help_lists_the_flags():
+    assert server_supports("--prompt-cache-dir") and server_supports("--prompt-cache-dir-bytes")
