@@ -1,9 +1,11 @@
 """Patches on ``mlx_lm.server``, applied when it is imported: the guards
 (``guards/``) on its HTTP side, its generation loop and its shared prompt
-cache, and batching of MLA models under ``--kv-bits``."""
+cache, batching of MLA models under ``--kv-bits``, and the prompt caches'
+disk tier (``disk/``, ``--prompt-cache-dir``)."""
 
 import sys
 
+from ..disk import hooks as disk
 from ..guards import recovery, requests, reuse, sampling
 from ..mla import has_latent_attention
 from .table import Patch
@@ -42,6 +44,13 @@ def table():
               needs=_LRU, feature="prompt cache reuse guards"),
         Patch(CACHE, "LRUPromptCache.insert_cache", "wrap", reuse.guarded_insert,
               needs=_LRU, feature="prompt cache reuse guards"),
+        # The disk tier, behind RAM: it sees what the guards let through.
+        Patch(CACHE, "LRUPromptCache.fetch_nearest_cache", "wrap", disk.fetch_from_disk,
+              feature="prompt caches on disk"),
+        Patch(CACHE, "LRUPromptCache.insert_cache", "wrap", disk.insert_to_disk,
+              feature="prompt caches on disk"),
+        Patch(SERVER, "run", "wrap", disk.with_tier, feature="prompt caches on disk"),
+        Patch(SERVER, "main", "wrap", disk.with_flags, feature="prompt caches on disk"),
         # The loop is supervised only where the open requests can be tracked.
         Patch(SERVER, "ResponseGenerator._next_request", "wrap", recovery.tracked_next_request,
               needs=_LOOP, feature="recovery after a failure"),
