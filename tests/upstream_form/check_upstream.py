@@ -9,7 +9,6 @@ Everything here is reached through mlx-lm alone.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,9 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 import mlx_lm_mla
 from mlx_lm_mla.testing import tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serving import Server  # noqa: E402  (tests/serving.py)
 
 # Rope width 64: stock quantizes it in groups of 64 and fails in the model.
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64, "index_head_dim": 64}
@@ -208,28 +210,15 @@ def test_the_server_batches_concurrent_requests_under_kv_bits(tmp_path):
     """``mlx_lm.server --kv-bits 4 --decode-concurrency 4``: four requests sent
     together all stream their first token before any streams its last."""
     model = tiny.save_model(tmp_path / "glm", "glm4_moe_lite")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     flags = ["--kv-bits", "4", "--quantized-kv-start", "0", "--decode-concurrency", "4"]
-    server = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port), *flags],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.2)
+    with Server(model, *flags, disabled=True) as server:
         times, together = {}, threading.Barrier(4)
-        threads = [threading.Thread(target=_stream, args=(port, f"request {i} says", times, together)) for i in range(4)]
+        args = [(server.port, f"request {i} says", times, together) for i in range(4)]
+        threads = [threading.Thread(target=_stream, args=a) for a in args]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     assert len(times) == 4 and all(len(t) > 5 for t in times.values())
     assert max(t[0] for t in times.values()) < min(t[-1] for t in times.values())
 
