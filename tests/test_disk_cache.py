@@ -60,10 +60,14 @@ def test_a_new_server_restores_the_conversation_from_disk_and_answers_as_a_fresh
     turn = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a heap?"}]
     with Server(model_path, "--prompt-cache-dir", folder, *flags) as server:
         restored, usage = answer(server.port, turn)
+    # A fresh server without the directory, served the same conversation: its
+    # second turn reuses the first from RAM, as the restored server reused it
+    # from disk, so the two answers are computed alike and must be equal.
     with Server(model_path, *flags) as fresh:
+        assert answer(fresh.port, first)[0] == reply
         expected, fresh_usage = answer(fresh.port, turn)
-    assert cached_tokens(fresh_usage) == 0
     assert cached_tokens(usage) >= len(SYSTEM) + len(reply)  # one token per character
+    assert cached_tokens(usage) == cached_tokens(fresh_usage)
     assert restored == expected
     assert os.stat(folder).st_mode & 0o777 == 0o700
     assert {os.stat(p).st_mode & 0o777 for p in folder.iterdir()} == {0o600}
@@ -72,7 +76,9 @@ def test_a_new_server_restores_the_conversation_from_disk_and_answers_as_a_fresh
         flip_last_byte(path)
     with Server(model_path, "--prompt-cache-dir", folder, *flags, log=tmp_path / "log") as server:
         prefilled, usage = answer(server.port, turn)
-    assert cached_tokens(usage) == 0 and prefilled == expected
+    with Server(model_path, *flags) as fresh:
+        assert answer(fresh.port, turn) == (prefilled, usage)  # prefilled as on a fresh server
+    assert cached_tokens(usage) == 0
     assert "checksum does not match" in (tmp_path / "log").read_text()
 
 
