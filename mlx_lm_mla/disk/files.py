@@ -11,7 +11,7 @@ import uuid
 from safetensors import SafetensorError, safe_open
 
 from ..mla import is_latent, leaves
-from ..patches.files import CHECKSUM, CorruptCacheFile, DataChecksum, check_cache_file
+from ..patches.files import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
 
 RECORD = "mlx_lm_mla_disk"  # the file's own record, in its metadata
 TEMP = ".tmp-"  # temporary files: .tmp-<pid>-<random>.safetensors
@@ -50,9 +50,7 @@ def write_temp(folder, cache, record):
     # The package's save_prompt_cache gives a latent cache its checksum.
     patched = hasattr(cache_module.save_prompt_cache, "mlx_lm_mla_original")
     if not (patched and any(is_latent(c) for c in leaves(cache))):
-        checksum = DataChecksum()
-        cache_module.save_prompt_cache(checksum, cache, metadata)
-        metadata[CHECKSUM] = checksum.value()
+        add_checksum(cache_module.save_prompt_cache, cache, metadata)
     path = os.path.join(folder, f"{TEMP}{os.getpid()}-{uuid.uuid4().hex}.safetensors")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:

@@ -178,6 +178,14 @@ def table():
     ]
 
 
+def add_checksum(save, cache, metadata):
+    """Puts into ``metadata`` the CRC-32 of the data ``save`` (a
+    ``save_prompt_cache``) writes for ``cache``, read from its own serialization."""
+    checksum = DataChecksum()
+    save(checksum, cache, metadata)
+    metadata[CHECKSUM] = checksum.value()
+
+
 def checked_save(original):
     """``save_prompt_cache`` that stores a checksum with a latent cache, and
     writes a cache holding zero-size arrays (see ``EMPTY``)."""
@@ -195,10 +203,8 @@ def checked_save(original):
         metadata = dict((args[0] if args else kwargs.get("metadata")) or {})
         if empty:
             metadata[EMPTY] = json.dumps(empty)
-        if latent:  # stock's own serialization, read for its data's checksum
-            checksum = DataChecksum()
-            original(checksum, layers, metadata)
-            metadata[CHECKSUM] = checksum.value()
+        if latent:
+            add_checksum(original, layers, metadata)
         original(file_name, layers, metadata)
 
     save_prompt_cache.mlx_lm_mla_original = original
