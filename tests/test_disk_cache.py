@@ -102,8 +102,10 @@ def child(*args):
 
 
 def consistent(folder):
-    """Every index row has its file and every file its row; no temporary file."""
-    names = {p.name for p in Path(folder).iterdir() if p.name != "index.sqlite"}
+    """Every index row has its file and every file its row; no temporary file.
+    SQLite's own files (the index, a journal a killed writer left, which SQLite
+    ignores once it is not hot) are not the tier's."""
+    names = {p.name for p in Path(folder).iterdir() if not p.name.startswith("index.sqlite")}
     return names == {name for name, _ in rows(folder)}
 
 
