@@ -13,6 +13,7 @@ package (``upstream/``).
 """
 
 import copy
+import weakref
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
@@ -39,13 +40,16 @@ def _ints(x):
 _META = hasattr(KVCache, "meta_state")  # mlx-lm 0.31 saves a meta_state
 
 
-def dequantize_bytes(packed, scales, biases, group_size, bits):
-    """``mx.dequantize`` of a packed latent held as bytes. On the CPU, for 2,
-    4 and 8 bits, the same arithmetic as elementwise ops: MLX's CPU kernel is
-    2-3x slower and holds several latents' worth of memory at its peak
-    (``benchmarks/decode_speed.py``, ``peak_memory.py``)."""
+def dequantize_bytes(packed, scales, biases, group_size, bits, dtype=None):
+    """``mx.dequantize`` of a packed latent held as bytes, in ``dtype`` (the
+    scales' by default). On the CPU, for 2, 4 and 8 bits, the same
+    arithmetic as elementwise ops: MLX's CPU kernel is 2-3x slower and holds
+    several latents' worth of memory at its peak (``benchmarks/peak_memory.py``)."""
     if bits not in (2, 4, 8) or mx.default_device().type != mx.cpu:
-        return mx.dequantize(mx.view(packed, mx.uint32), scales, biases, group_size=group_size, bits=bits)
+        latent = mx.dequantize(mx.view(packed, mx.uint32), scales, biases, group_size=group_size, bits=bits)
+        return latent if dtype is None else latent.astype(dtype)
+    if dtype is not None:  # the scales in dtype give the latent in dtype
+        scales, biases = scales.astype(dtype), biases.astype(dtype)
     lead = packed.shape[:-1]
     q = packed.reshape(*lead, scales.shape[-1], -1)  # the bytes of each group
     if bits < 8:  # unpack in one broadcast op, the low bits first
@@ -93,14 +97,39 @@ class _PackedLatent:
         return mx.view(packed, mx.uint8), values
 
     def _decode(self, keys, values):
-        g, b, _, d, _, rd = self._format
+        _, _, r = self._sizes()
+        rope = mx.view(values[..., :r], getattr(mx, self._format[5]))
+        return self._latent(keys, values), rope
+
+    def _latent(self, keys, values, dtype=None):
+        g, b, _, d, _, _ = self._format
         _, s, r = self._sizes()
         scales, biases = (mx.view(x, getattr(mx, d)) for x in (values[..., r : r + s], values[..., r + s :]))
-        latent = dequantize_bytes(keys, scales, biases, g, b)
-        return latent, mx.view(values[..., :r], getattr(mx, rd))
+        return dequantize_bytes(keys, scales, biases, g, b, dtype)
 
     def update_and_fetch(self, latent, rope):
-        return self._decode(*super().update_and_fetch(*self._encode(latent, rope)))
+        latent, rope = self._decode(*super().update_and_fetch(*self._encode(latent, rope)))
+        # Known by identity, so decode attention can read the bytes instead.
+        self._fetched = (weakref.ref(latent), weakref.ref(self.keys))
+        return latent, rope
+
+    def latent_reader(self, latent):
+        """``read(start, stop, dtype, after)``: rows of ``latent`` decoded
+        from this cache's bytes, if ``latent`` is what it last fetched (never
+        evaluated then: the bytes are read a chunk at a time instead)."""
+        latent_ref, keys_ref = vars(self).get("_fetched", (None, None))
+        if latent_ref is None or latent_ref() is not latent or keys_ref() is not self.keys:
+            return None
+        n = latent.shape[2]
+        keys, values = self.keys[..., :n, :], self.values[..., :n, :]
+
+        def read(start, stop, dtype, after=None):
+            rows = keys[..., start:stop, :], values[..., start:stop, :]
+            if after is not None:
+                rows = mx.depends(list(rows), after)
+            return self._latent(*rows, dtype)
+
+        return read
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """Returns ``self``. Other settings are refused: requantizing would
@@ -281,7 +310,7 @@ def _decoded(cache, cls):
     """A ``cls`` (KVCache, BatchKVCache) holding what a quantized cache's
     rows read: its latent as its bytes decode, its RoPE key."""
     plain = copy.copy(cache)
-    for name in ("_format", "group_size", "latent_bits"):
+    for name in ("_format", "group_size", "latent_bits", "_fetched"):
         vars(plain).pop(name, None)
     plain.__class__ = cls
     if cache.keys is not None:

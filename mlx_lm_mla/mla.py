@@ -22,6 +22,7 @@ through its model before it quantizes it.
 import ast
 import importlib
 import inspect
+import textwrap
 from pathlib import Path
 
 from .cache import _PackedLatent, is_latent_layout
@@ -116,6 +117,20 @@ def model_types(models_dir):
         if inner:
             types[path.stem] = inner[0]
     return dict(sorted(types.items()))
+
+
+def calls(cls, name):
+    """Whether ``cls.__call__`` calls a function by the bare ``name`` (a
+    global of its module)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    call = next((f for f in tree.body[0].body if isinstance(f, ast.FunctionDef) and f.name == "__call__"), None)
+    return call is not None and any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+        for node in ast.walk(call)
+    )
 
 
 def installed_model_types(package="mlx_lm"):

@@ -22,14 +22,15 @@ def test_install_registers_classes_where_load_prompt_cache_looks(stock):
     assert "mlx_lm.models.cache.QuantizedRotatingLatentCache" in patched
 
 
-def test_install_touches_only_the_mla_attention_calls_of_model_classes(stock):
+def test_install_touches_only_the_mla_attention_of_model_modules(stock):
     from mlx_lm_mla import mla
 
     mlx_lm_mla.install()
-    attention = {f"{c.__module__}.{c.__qualname__}.__call__" for c in mla.ATTENTION}
+    calls = {f"{c.__module__}.{c.__qualname__}.__call__" for c in mla.ATTENTION}
+    decode = {f"{c.__module__}.scaled_dot_product_attention" for c in mla.ATTENTION}
     in_models = {label for label in mlx_lm_mla.installed() if label.startswith("mlx_lm.models.") and
                  not label.startswith("mlx_lm.models.cache.")}
-    assert attention and in_models == attention
+    assert calls and in_models == calls | decode
     assert "make_cache" not in deepseek_v3.Model.__dict__
 
 

@@ -114,6 +114,8 @@ def apply(patch):
     """Applies one row, or names in missing() why it cannot be."""
     if patch.how == "unknown":
         _miss(patch.target)
+        if patch.feature and patch.feature not in _off:
+            _off.append(patch.feature)
         return
     module = importlib.import_module(patch.module)
     path, _, name = patch.target.rpartition(".")
@@ -178,10 +180,10 @@ def install():
             RuntimeWarning,
             stacklevel=2,
         )
-    from . import cache, files, generate
+    from . import cache, files, generate, models
 
     _checked.clear()
-    for patch in [*cache.table(), *files.table(), *generate.table()]:
+    for patch in [*cache.table(), *models.table(), *files.table(), *generate.table()]:
         apply(patch)
     importhook.after_import(SERVER, server_imported)
     _warn_missing()

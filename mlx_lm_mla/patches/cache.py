@@ -12,7 +12,6 @@ Which caches hold a latent is known from the attention that writes them
 
 from mlx_lm.models.cache import BatchKVCache
 
-from .. import mla
 from ..cache import (
     QUANTIZED_LATENT,
     BatchMixedLatentCache,
@@ -30,7 +29,6 @@ CACHE = "mlx_lm.models.cache"
 
 def table():
     rows = [Patch(CACHE, cls.__name__, "set", lambda _, c=cls: c) for cls in QUANTIZED_LATENT.values()]
-    rows += attention_table()
     rows += [
         Patch(CACHE, "make_prompt_cache", "rebind", marked_make_prompt_cache),
         Patch(CACHE, "KVCache.to_quantized", "wrap", latent_to_quantized),
@@ -42,21 +40,6 @@ def table():
         Patch(CACHE, "CacheList.offset", "set", lambda _: property(cache_list_offset)),
         Patch(CACHE, "BatchRotatingKVCache.merge", "classmethod", refuse_quantized_merge),
     ]
-    return rows
-
-
-def attention_table():
-    """The MLA attention classes of the installed mlx-lm, each marking the
-    cache it writes. One whose source does not say which is named in missing()."""
-    classes, unreadable = mla.load_attention()
-    rows = []
-    for cls, member in classes.items():
-        mla.ATTENTION[cls] = member
-        rows.append(
-            Patch(cls.__module__, f"{cls.__qualname__}.__call__", "wrap",
-                  lambda f, m=member: mla.marking_call(f, m))
-        )
-    rows += [Patch(CACHE, f"{name}.__call__ (the cache it writes)", "unknown", None) for name in unreadable]
     return rows
 
 
