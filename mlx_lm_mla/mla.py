@@ -23,6 +23,7 @@ import ast
 import importlib
 import inspect
 import textwrap
+import weakref
 from pathlib import Path
 
 from .cache import _PackedLatent, is_latent_layout
@@ -200,14 +201,28 @@ def latent_modules(layer):
     return [m for _, m in layer.named_modules() if type(m) in ATTENTION]
 
 
-def has_latent_attention(model) -> bool:
-    # Found once per model instance while installed; the layers do not change.
-    found = vars(model).get("_mlx_lm_mla_has_latent")
+# What is found once per model instance while installed (its layers do not
+# change): id(model) -> {name: value}, dropped with the model.
+_FOUND = {}
+
+
+def found_once(model, name, find):
+    """``find()``, remembered for ``model`` while the package is installed."""
+    if not ATTENTION:  # nothing is known while uninstalled
+        return find()
+    found = _FOUND.get(id(model))
     if found is None:
-        found = any(latent_modules(layer) for layer in getattr(model, "layers", []))
-        if ATTENTION:
-            object.__setattr__(model, "_mlx_lm_mla_has_latent", found)
-    return found
+        found = _FOUND[id(model)] = {}
+        weakref.finalize(model, _FOUND.pop, id(model), None)
+    if name not in found:
+        found[name] = find()
+    return found[name]
+
+
+def has_latent_attention(model) -> bool:
+    return found_once(
+        model, "has_latent", lambda: any(latent_modules(layer) for layer in getattr(model, "layers", []))
+    )
 
 
 def leaves(caches):

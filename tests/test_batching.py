@@ -1,6 +1,7 @@
 """BatchGenerator and batch_generate with MLA models: stock batch caches,
 quantized in place under --kv-bits."""
 
+import contextlib
 import copy
 
 import mlx.core as mx
@@ -92,8 +93,8 @@ def test_batch_generate_with_prompt_caches(installed, tmp_path):
     assert all(t and e.startswith(t) for e, t in zip(expected, out.texts))
 
 
-def serve_settings(model, bits=4, start=12):
-    """What the server hook does when mlx_lm.server runs with --kv-bits."""
+def batchable_with_kv_bits(model, bits=4, start=12):
+    """Whether mlx_lm.server with --kv-bits batches ``model``."""
     from types import SimpleNamespace
 
     from mlx_lm_mla.patches.server import batchable_with_kv_bits
@@ -106,20 +107,32 @@ def serve_settings(model, bits=4, start=12):
     return batchable_with_kv_bits(refuse)(server, SimpleNamespace(seed=None))
 
 
+@contextlib.contextmanager
+def serving_kv_bits(bits=4, start=12):
+    """The settings the server's generation thread runs its BatchGenerators
+    with under --kv-bits."""
+    from mlx_lm_mla.patches.generate import SERVER_KV, KVSettings
+
+    token = SERVER_KV.set(KVSettings(group_size=64, bits=bits, start=start))
+    try:
+        yield
+    finally:
+        SERVER_KV.reset(token)
+
+
 def test_kv_bits_keep_mla_models_batchable(installed):
     model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
-    assert serve_settings(model)
+    assert batchable_with_kv_bits(model)
     assert all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
 def test_kv_bits_do_not_make_other_models_batchable(installed):
     model, _ = tiny.build_model("deepseek_v2")
-    assert not serve_settings(model)
+    assert not batchable_with_kv_bits(model)
 
 
 def test_a_batch_served_with_kv_bits_quantizes_each_row_once_it_crosses(installed):
     model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
-    serve_settings(model, bits=8, start=12)
     expected = [
         [
             t
@@ -131,7 +144,8 @@ def test_a_batch_served_with_kv_bits_quantizes_each_row_once_it_crosses(installe
         for p in PROMPTS
     ]
     gen = BatchGenerator(model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4)
-    got, handed_back = drain(gen, gen.insert(PROMPTS, [8] * 4))
+    with serving_kv_bits(bits=8, start=12):
+        got, handed_back = drain(gen, gen.insert(PROMPTS, [8] * 4))
     # every row crossed 12 tokens, so every cache handed back is quantized
     assert all(type(c) is QuantizedLatentCache for row in handed_back for c in row)
     assert all(c.latent_bits == 8 for row in handed_back for c in row)

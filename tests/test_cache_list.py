@@ -21,7 +21,7 @@ from mlx_lm_mla.patches.files import CHECKSUM
 from mlx_lm_mla.patches import mlx_lm_version
 
 from serving import Server, cached_tokens, four_clients, questions, server_supports
-from test_batching import drain, serve_settings
+from test_batching import drain, serving_kv_bits
 
 TYPES = [t for t in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram") if t in tiny.MLA_MODEL_TYPES]
 DSA = [t for t in ("deepseek_v32", "glm_moe_dsa") if t in TYPES]
@@ -124,12 +124,9 @@ if not STOCK_SAVES_DSA:
 @pytest.mark.parametrize("model_type", TYPES)
 def test_a_batch_under_kv_bits_quantizes_its_latent(model_type, installed):
     model = tiny.build_model(model_type)[0]
-    serve_settings(model, bits=4, start=16)
-    try:
-        gen = BatchGenerator(model, max_tokens=8, completion_batch_size=3, prefill_batch_size=3)
+    gen = BatchGenerator(model, max_tokens=8, completion_batch_size=3, prefill_batch_size=3)
+    with serving_kv_bits(bits=4, start=16):
         got, caches = drain(gen, gen.insert([PROMPT[:30], PROMPT[5:25], PROMPT[:40]], [3, 8, 5]))
-    finally:
-        vars(model).pop("_mlx_lm_mla_kv")
     assert [len(t) for t in got] == [3, 8, 5]
     assert all(type(c.caches[0]) is QuantizedLatentCache for row in caches for c in lists(row))
 

@@ -21,7 +21,7 @@ import mlx_lm_mla
 from mlx_lm_mla.testing import tiny
 
 from engine_sequence import SequentialEngine, chat
-from test_batching import drain, serve_settings
+from test_batching import drain, serving_kv_bits
 
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
 WINDOW = 48
@@ -109,11 +109,8 @@ def test_batched_replay_with_array_filters_gives_stocks_tokens(window, model, ar
 
 
 def test_batched_replay_with_kv_bits_and_array_filters(model, array_filters, installed):
-    serve_settings(model, bits=4, start=16)  # crossed by the prompts themselves
-    try:
+    with serving_kv_bits(bits=4, start=16):  # crossed by the prompts themselves
         got, caches = batched(model, None)
-    finally:
-        vars(model).pop("_mlx_lm_mla_kv")
     assert [len(t) for t in got] == [3, 9, 5, 12]
     assert all(c.latent_bits == 4 for row in caches for c in row)
 
@@ -123,11 +120,8 @@ def test_a_batched_window_with_kv_bits_stays_exact_and_bounded(model, array_filt
     # quantizes (see the README's limits), and gives stock's tokens.
     expected, _ = batched(model, WINDOW)
     mlx_lm_mla.install()
-    serve_settings(model, bits=4, start=16)
-    try:
+    with serving_kv_bits(bits=4, start=16):
         got, caches = batched(model, WINDOW)
-    finally:
-        vars(model).pop("_mlx_lm_mla_kv")
     assert got == expected
     assert all(type(c) is RotatingKVCache and c.keys.shape[2] <= WINDOW for c in caches[3])
 

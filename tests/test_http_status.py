@@ -25,7 +25,9 @@ class Handler:
         pass
 
     def answer(self):
-        return self.status, json.loads(self.wfile.getvalue())["error"]["type"]
+        body = json.loads(self.wfile.getvalue())
+        assert list(body) == ["error"] and isinstance(body["error"], str)  # mlx-lm's shape
+        return self.status, body["error"]
 
 
 def post_raising(error):
@@ -38,19 +40,18 @@ def post_raising(error):
 
 
 def test_a_field_the_server_refuses_is_a_client_error():
-    assert post_raising(BadRequest("top_k must be at least 0")) == (400, "invalid_request_error")
+    assert post_raising(BadRequest("top_k must be at least 0")) == (400, "top_k must be at least 0")
 
 
 def test_a_body_that_is_not_utf8_is_a_client_error():
-    assert post_raising(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")) == (
-        400,
-        "invalid_request_error",
-    )
+    status, error = post_raising(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    assert status == 400 and "not valid UTF-8" in error
 
 
 @pytest.mark.parametrize("error", [ValueError("a bug in the server"), KeyError("state")])
 def test_any_other_failure_is_a_server_error(error):
-    assert post_raising(error) == (500, "server_error")
+    status, message = post_raising(error)
+    assert status == 500 and type(error).__name__ in message
 
 
 def test_a_refused_model_parameter_becomes_a_bad_request():

@@ -149,7 +149,10 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_get_400_naming_the_field_and_requests_in_flight_complete(model_path):
+@pytest.fixture(scope="module")
+def refused(model_path):
+    """The answers to BAD_REQUESTS and to a body that is not UTF-8, sent while
+    three streams decode; and those streams, and what they decode alone."""
     with Server(model_path, "--decode-concurrency", 4) as server:
         expected = [server.chat(q, max_tokens=60)[0] for q in questions(3)]
         served, errors = [], []
@@ -167,10 +170,25 @@ def test_bad_requests_get_400_naming_the_field_and_requests_in_flight_complete(m
         not_utf8 = raw_post(server.port, "/v1/completions", b'{"prompt": "\xff\xfe"}')
         for t in threads:
             t.join()
-    for (_, _, field), (status, reply) in zip(BAD_REQUESTS, answers):
-        assert status == 400 and field in json.dumps(reply), (field, status, reply)
-    assert status_lines(not_utf8) == ["HTTP/1.0 400 Bad Request"] and b"UTF-8" in not_utf8
-    assert errors == [] and sorted(served) == sorted(expected)
+    return dict(answers=answers, not_utf8=not_utf8, served=served, errors=errors, expected=expected)
+
+
+@pytest.mark.parametrize("i", range(len(BAD_REQUESTS)), ids=[f for _, _, f in BAD_REQUESTS])
+def test_a_bad_field_gets_400_naming_it_in_mlx_lms_error_body(i, refused):
+    status, reply = refused["answers"][i]
+    assert status == 400 and list(reply) == ["error"], reply
+    assert BAD_REQUESTS[i][2] in reply["error"]
+
+
+def test_a_body_that_is_not_utf8_gets_400(refused):
+    reply = refused["not_utf8"]
+    assert status_lines(reply) == ["HTTP/1.0 400 Bad Request"]
+    body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert list(body) == ["error"] and body["error"].startswith("request body is not valid UTF-8")
+
+
+def test_requests_in_flight_beside_bad_ones_complete_as_alone(refused):
+    assert refused["errors"] == [] and sorted(refused["served"]) == sorted(refused["expected"])
 
 
 @pytest.fixture(scope="module")

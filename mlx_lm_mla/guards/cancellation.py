@@ -1,8 +1,8 @@
 """A request ends when its client leaves.
 
 While a request is served, ``watch`` polls its connection; once the client
-has closed it (end of file or a reset), the request is marked. The
-generation thread sees the mark at the request's next reply
+has closed it (end of file or a reset), its ``RequestState`` says so. The
+generation thread sees that at the request's next reply
 (``recovery.tracked_next_request``): it stops the request's context, so the
 server drops its row and frees its slot, and unblocks the handler with
 ``ClientGone``. A streamed request whose write fails first is stopped by
@@ -21,8 +21,6 @@ import threading
 logger = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between looks at the connection
-MARK = "mlx_lm_mla_client_gone"
-TOKENS = "mlx_lm_mla_tokens"
 # What a handler meets when its client is gone.
 GONE = (BrokenPipeError, ConnectionResetError)
 
@@ -31,24 +29,11 @@ class ClientGone(RuntimeError):
     """The client of a request closed its connection."""
 
 
-def gone(request):
-    """Which request's client is gone (a description), or None."""
-    return getattr(request, MARK, None)
-
-
-def count_token(request):
-    """One more token generated for ``request`` (the generation thread)."""
-    try:
-        setattr(request, TOKENS, getattr(request, TOKENS, 0) + 1)
-    except AttributeError:
-        pass
-
-
-def ended(handler, request):
-    """Logs that ``request`` ended because its client left."""
+def ended(handler, state):
+    """Logs that a request ended because its client left."""
     logger.info(
         "mlx-lm-mla: cancelled %s after %d tokens: its client is gone",
-        _name(handler), getattr(request, TOKENS, 0),
+        _name(handler), state.tokens,
     )
 
 
@@ -72,18 +57,15 @@ def _closed(connection) -> bool:
 class Watch:
     """Watches one request's connection until ``stop()``."""
 
-    def __init__(self, connection, request, name):
-        self.connection, self.request, self.name = connection, request, name
+    def __init__(self, connection, state, name):
+        self.connection, self.state, self.name = connection, state, name
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="mlx-lm-mla client watch")
 
     def _run(self):
         while not self.done.is_set():
             if _closed(self.connection):
-                try:
-                    setattr(self.request, MARK, self.name)
-                except AttributeError:
-                    pass
+                self.state.client_gone = self.name
                 return
             self.done.wait(POLL)
 
@@ -95,6 +77,6 @@ class Watch:
         self.done.set()
 
 
-def watch(handler, request):
+def watch(handler, state):
     """A ``Watch`` on the handler's connection, to use as a context manager."""
-    return Watch(handler.connection, request, _name(handler))
+    return Watch(handler.connection, state, _name(handler))

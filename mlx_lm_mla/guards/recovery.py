@@ -5,8 +5,10 @@ server would."""
 import logging
 import sys
 import time
+import weakref
 
 from . import cancellation, sampling
+from .state import REQUESTS, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -18,62 +20,69 @@ TRIES = 4
 BACKOFF = 0.05  # seconds before the second try; doubled each time
 
 
+# The replies of each generation loop's open requests, to answer if it fails.
+_OPEN = weakref.WeakKeyDictionary()
+
+
 def _inflight(generator):
-    return generator.__dict__.setdefault("_mlx_lm_mla_inflight", set())
+    return _OPEN.setdefault(generator, set())
+
+
+class Replies:
+    """A request's reply queue as the generation loop sees it: a reply after
+    the request's own sampling failed (guards/sampling.py) or its client
+    left (guards/cancellation.py) is replaced by that error, its context is
+    stopped so the server drops its row, and nothing more is sent."""
+
+    def __init__(self, queue, state, open_requests):
+        self.queue, self.state, self.open = queue, state, open_requests
+        self.context = self.contexts = None
+        self.answered = False
+
+    def put(self, item, *args, **kwargs):
+        if self.answered:
+            return
+        if self.contexts and isinstance(item, self.contexts):
+            self.context = item
+        elif not isinstance(item, Exception):
+            item = self._ending(item)
+        self.queue.put(item, *args, **kwargs)
+        if item is None or isinstance(item, Exception):
+            self.open.discard(self)
+
+    def _ending(self, item):
+        state = self.state
+        if not (state.failure or state.client_gone):
+            if hasattr(item, "token"):
+                state.tokens += 1
+            return item
+        if state.failure:
+            failure = state.failure
+            item = RuntimeError(f"sampling failed: {type(failure).__name__}: {failure}")
+        else:
+            item = cancellation.ClientGone(f"{state.client_gone}: the client is gone")
+        self.answered = True
+        if self.context is not None:
+            self.context.stop()  # the server removes the row
+        return item
 
 
 def tracked_next_request(original):
-    """``ResponseGenerator._next_request`` that remembers which requests are
-    open, so they can be answered if the generation loop fails, and ends a
-    request whose own sampling failed in a batch step (see guards/sampling.py)
-    or whose client is gone (see guards/cancellation.py): its next reply is
-    replaced by the error, its context is stopped so the server drops its
-    row, and nothing more is sent to it."""
+    """``ResponseGenerator._next_request`` that hands the loop each request's
+    replies as ``Replies``, remembered until the request is answered."""
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
-        if request is not None:
-            rqueue, body, args = request[0], request[1], request[2]
-            open_requests = _inflight(self)
-            open_requests.add(rqueue)
-            put = rqueue.put
-            context = getattr(sys.modules.get(type(self).__module__), "GenerationContext", ())
-            held = {"ctx": None, "answered": False}
-
-            def put_and_track(item, *args_, **kwargs):
-                if held["answered"]:
-                    return
-                if isinstance(item, context):
-                    held["ctx"] = item
-                elif not isinstance(item, Exception):
-                    item = _ending(item, body, args, held)
-                put(item, *args_, **kwargs)
-                if item is None or isinstance(item, Exception):
-                    open_requests.discard(rqueue)
-
-            rqueue.put = put_and_track
-        return request
+        if request is None or isinstance(request[0], Replies):
+            return request
+        state = REQUESTS.get(request[1]) or RequestState()  # another rank's copy
+        replies = Replies(request[0], state, _inflight(self))
+        replies.contexts = getattr(sys.modules.get(type(self).__module__), "GenerationContext", None)
+        replies.open.add(replies)
+        return (replies, *request[1:])
 
     _next_request.mlx_lm_mla_original = original
     return _next_request
-
-
-def _ending(item, body, args, held):
-    """The reply to send in place of ``item``: the error that ends the
-    request, if its sampling failed or its client is gone; else ``item``."""
-    failure, client = sampling.failure(args), cancellation.gone(body)
-    if not (failure or client):
-        if hasattr(item, "token"):
-            cancellation.count_token(body)
-        return item
-    if failure:
-        item = RuntimeError(f"sampling failed: {type(failure).__name__}: {failure}")
-    else:
-        item = cancellation.ClientGone(f"{client}: the client is gone")
-    held["answered"] = True
-    if held["ctx"] is not None:
-        held["ctx"].stop()  # the server removes the row
-    return item
 
 
 def _restore_after_failure():

@@ -10,7 +10,7 @@ import os
 import sys
 
 from . import cancellation, sampling
-from .reuse import tag_request
+from .state import REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ def checked_tokenize(original, server):
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
+        state = REQUESTS.get(request)
+        if state is not None:  # the sampler and processors find it by args
+            REQUESTS.bind(args, state)
         if not result[0]:
             raise BadRequest("prompt has no tokens")
         limit, why = max_tokens_limit(self, len(result[0]))
@@ -132,6 +135,7 @@ def checked_tokenize(original, server):
                 args,
                 size,
                 result[0],
+                state,
             )
             if problem:
                 raise BadRequest(problem)
@@ -153,8 +157,9 @@ def _vocabulary(generator, tokenizer):
         return None
 
 
-def _reply(handler, status, message, kind):
-    body = json.dumps({"error": {"message": message, "type": kind}}).encode()
+def _reply(handler, status, message):
+    # mlx-lm's own error body: {"error": "..."}.
+    body = json.dumps({"error": message}).encode()
     handler.send_response(status)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("Content-Length", str(len(body)))
@@ -181,26 +186,29 @@ def guarded_completion(original):
         if where:
             problem = f"{where} must be a finite number, not NaN or infinity"
         if problem:
-            return _reply(self, 400, problem, "invalid_request_error")
-        tag_request(request, getattr(self, "body", None))
+            return _reply(self, 400, problem)
+        state = REQUESTS.open(request)
+        body = getattr(self, "body", None)
+        state.cache_prompt = not (isinstance(body, dict) and body.get("cache_prompt", True) is False)
         try:
-            with cancellation.watch(self, request):
+            with cancellation.watch(self, state):
                 return original(self, request, stop_words, *args, **kwargs)
         except (cancellation.ClientGone, *cancellation.GONE):
-            return cancellation.ended(self, request)  # nobody to answer
+            return cancellation.ended(self, state)  # nobody to answer
         except Exception as e:
             logger.warning("mlx-lm-mla: request failed: %s: %s", type(e).__name__, e)
             message = f"{type(e).__name__}: {e}"
             try:
                 if getattr(self, "_headers_buffer", None):
                     self._headers_buffer = []  # the 200 that was not sent
-                    _reply(self, 500, message, "server_error")
+                    _reply(self, 500, message)
                 elif getattr(self, "stream", False):
-                    error = {"error": {"message": message, "type": "server_error"}}
-                    self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                    self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
                     self.wfile.flush()
             except OSError:
                 pass  # the client is gone
+        finally:
+            REQUESTS.close(request)
 
     handle_completion.mlx_lm_mla_original = original
     return handle_completion
@@ -246,13 +254,13 @@ def answered_post(original):
         try:
             return original(self)
         except UnicodeDecodeError as e:
-            _reply(self, 400, f"request body is not valid UTF-8: {e}", "invalid_request_error")
+            _reply(self, 400, f"request body is not valid UTF-8: {e}")
         except BadRequest as e:
-            _reply(self, 400, str(e), "invalid_request_error")
+            _reply(self, 400, str(e))
         except Exception as e:
             logger.exception("mlx-lm-mla: request failed in the server")
             try:
-                _reply(self, 500, f"{type(e).__name__}: {e}", "server_error")
+                _reply(self, 500, f"{type(e).__name__}: {e}")
             except OSError:
                 pass  # the client is gone
 

@@ -5,6 +5,7 @@
 import logging
 
 from ..mla import leaves
+from .state import REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -24,21 +25,14 @@ class NoStore(list):
         return NoStore(self)
 
 
-def tag_request(request, body):
-    if isinstance(body, dict) and body.get("cache_prompt", True) is False:
-        try:
-            request.mlx_lm_mla_cache_prompt = False
-        except AttributeError:
-            pass
-
-
 def no_store_tokenize(original):
     """``ResponseGenerator._tokenize`` that gives a no-store request its
     tokens as ``NoStore`` and no segments to store."""
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
-        if getattr(request, "mlx_lm_mla_cache_prompt", True) is not False:
+        state = REQUESTS.get(request)
+        if state is None or state.cache_prompt:
             return result
         return (NoStore(result[0]), result[1], [], *result[3:])
 

@@ -20,6 +20,8 @@ import time
 
 import mlx.core as mx
 
+from .state import REQUESTS
+
 # The generation thread's last random key seen before a guarded call, so a
 # failure of the whole loop can put back a key that was computed.
 _last_key = [None]
@@ -98,11 +100,11 @@ def _zero(value):
     return None if value is None else type(value)()
 
 
-def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prompt):
+def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prompt, state=None):
     """Why the sampling arguments of a request cannot be served, naming the
     field, or None. ``make_sampler(args, tokenizer)`` and
     ``make_processors(args)`` are the server's own builders; what they built
-    for a request that can be served is kept on its ``args``, and the
+    for a request that can be served is kept on its ``state``, and the
     server's ``_make_sampler`` / ``_make_logits_processors`` hand it out
     (built once per request)."""
     context = mx.array(prompt)
@@ -122,9 +124,8 @@ def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prom
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         problem = trial(sampler, processors, vocab, context)
-        if keep and problem is None:
-            _keep(a, "sampler", sampler)
-            _keep(a, "processors", processors)
+        if keep and problem is None and state is not None:
+            state.sampler, state.processors = sampler, processors
         return problem
 
     problem = run(args, keep=True)
@@ -153,27 +154,14 @@ def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prom
 # --- rows of a batch --------------------------------------------------------
 
 
-def _failed(args, error):
-    # The first failure of a request is the one it is answered with.
-    if getattr(args, "mlx_lm_mla_failure", None) is None:
-        try:
-            args.mlx_lm_mla_failure = error
-        except AttributeError:
-            pass
-
-
-def failure(args):
-    return getattr(args, "mlx_lm_mla_failure", None)
-
-
 class RowSampler:
     """A request's sampler in a batch: a failure is the request's own. The
     row gets a stand-in token (the request ends at its next reply), the
     random state is put back, and the other rows go on."""
 
-    def __init__(self, sampler, args):
+    def __init__(self, sampler, state):
         self.sampler = sampler
-        self.args = args
+        self.state = state
 
     def run(self, logprobs):
         return self.sampler(logprobs)
@@ -184,7 +172,7 @@ class RowSampler:
             return self.run(logprobs)
         except Exception as e:
             restore_random(key)
-            _failed(self.args, e)
+            self.state.fail(e)
             return mx.argmax(logprobs, axis=-1)
 
 
@@ -192,9 +180,9 @@ class RowProcessor:
     """A request's logits processor in a batch: a failure is the request's
     own, and its row's logits pass through unchanged."""
 
-    def __init__(self, processor, args):
+    def __init__(self, processor, state):
         self.processor = processor
-        self.args = args
+        self.state = state
 
     def __call__(self, tokens, logits):
         key = random_key()
@@ -202,24 +190,8 @@ class RowProcessor:
             return self.processor(tokens, logits)
         except Exception as e:
             restore_random(key)
-            _failed(self.args, e)
+            self.state.fail(e)
             return logits
-
-
-def _keep(args, what, built):
-    try:
-        setattr(args, f"mlx_lm_mla_{what}", built)
-    except AttributeError:  # args that take no attributes: built again
-        pass
-
-
-def _take(args, what):
-    # What validation built for this request, handed out once.
-    name = f"mlx_lm_mla_{what}"
-    built = getattr(args, name, None)
-    if built is not None:
-        delattr(args, name)
-    return built
 
 
 def _shared(sampler):
@@ -232,14 +204,17 @@ def _shared(sampler):
 
 
 def guarded_make_sampler(original):
-    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row.
-    A sampler the builder hands every request alike (greedy) is left as it
-    is: the batch samples all its rows in one call, as upstream, and holds
-    nothing of one request that could fail."""
+    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row
+    of the request it is made for. A sampler the builder hands every request
+    alike (greedy) is left as it is: the batch samples all its rows in one
+    call, as upstream, and holds nothing of one request that could fail."""
 
     def _make_sampler(args, tokenizer):
-        sampler = _take(args, "sampler") or original(args, tokenizer)
-        return sampler if _shared(sampler) else RowSampler(sampler, args)
+        state = REQUESTS.get(args)
+        if state is None:  # not for a request the server is serving
+            return original(args, tokenizer)
+        sampler = state.take("sampler") or original(args, tokenizer)
+        return sampler if _shared(sampler) else RowSampler(sampler, state)
 
     _make_sampler.mlx_lm_mla_original = original
     return _make_sampler
@@ -249,10 +224,13 @@ def guarded_make_logits_processors(original):
     """``mlx_lm.server._make_logits_processors`` whose processors run guarded."""
 
     def _make_logits_processors(args):
-        processors = _take(args, "processors")
+        state = REQUESTS.get(args)
+        if state is None:
+            return original(args)
+        processors = state.take("processors")
         if processors is None:
             processors = original(args)
-        return [RowProcessor(p, args) for p in processors]
+        return [RowProcessor(p, state) for p in processors]
 
     _make_logits_processors.mlx_lm_mla_original = original
     return _make_logits_processors

@@ -192,10 +192,11 @@ def install():
 
 def uninstall():
     """Restores everything ``install()`` changed. Returns what was restored."""
-    from ..mla import ATTENTION
+    from ..mla import _FOUND, ATTENTION
 
     restored = []
     ATTENTION.clear()
+    _FOUND.clear()
     while _applied:
         owner, name, had, old, label = _applied.pop()
         if had:

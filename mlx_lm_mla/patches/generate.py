@@ -3,10 +3,33 @@ model and the quantization asked for before the first step, and
 ``BatchGenerator`` quantizes the batches of an MLA model served with
 ``--kv-bits`` (``server.py`` lets the server batch them)."""
 
+import contextvars
+from dataclasses import dataclass
+
 from ..cache import _PackedLatent
-from ..mla import ATTENTION, latent_modules, leaves, mark_model_caches
+from ..mla import ATTENTION, found_once, has_latent_attention, latent_modules, leaves, mark_model_caches
 from .table import Patch
 from . import cache as cache_patches
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """A server's ``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start``."""
+
+    group_size: int
+    bits: int
+    start: int
+
+    @classmethod
+    def of(cls, cli_args):
+        if getattr(cli_args, "kv_bits", None) is None:
+            return None
+        return cls(cli_args.kv_group_size, cli_args.kv_bits, cli_args.quantized_kv_start)
+
+
+# The settings of the server whose generation loop runs in this thread: set
+# around ResponseGenerator._generate (server.py), read by BatchGenerator._next.
+SERVER_KV = contextvars.ContextVar("mlx_lm_mla_server_kv", default=None)
 
 GENERATE = "mlx_lm.generate"
 # What --kv-bits batching reads of BatchGenerator and its caches.
@@ -31,10 +54,11 @@ def quantizing_next(original):
 
     def _next(self):
         result = original(self)
-        settings = vars(self.model).get("_mlx_lm_mla_kv")
-        if settings is not None:
+        settings = SERVER_KV.get()
+        if settings is not None and has_latent_attention(self.model):
             for batch in (self._prompt_batch, self._generation_batch):
-                cache_patches.quantize_batches(getattr(batch, "prompt_cache", []), *settings)
+                caches = getattr(batch, "prompt_cache", [])
+                cache_patches.quantize_batches(caches, settings.group_size, settings.bits, settings.start)
         return result
 
     _next.mlx_lm_mla_original = original
@@ -43,17 +67,18 @@ def quantizing_next(original):
 
 def _latent_widths(model):
     """{layer index: (latent width, RoPE width, CacheList member or None)}
-    for the layers with one MLA attention. Found once per model instance."""
-    found = vars(model).get("_mlx_lm_mla_widths")
-    if found is None:
+    for the layers with one MLA attention."""
+
+    def find():
         found = {}
         for i, layer in enumerate(getattr(model, "layers", [])):
             mods = latent_modules(layer)
             rope = getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
             if isinstance(rope, int):
                 found[i] = (mods[0].kv_lora_rank, rope, ATTENTION[type(mods[0])])
-        object.__setattr__(model, "_mlx_lm_mla_widths", found)
-    return found
+        return found
+
+    return found_once(model, "widths", find)
 
 
 def cache_mismatch(model, cache):

@@ -9,7 +9,7 @@ from ..disk import hooks as disk
 from ..guards import recovery, requests, reuse, sampling
 from ..mla import has_latent_attention
 from .table import Patch
-from .generate import BATCH_QUANTIZING
+from .generate import BATCH_QUANTIZING, SERVER_KV, KVSettings
 
 SERVER = "mlx_lm.server"
 CACHE = "mlx_lm.models.cache"
@@ -34,6 +34,9 @@ def table():
         Patch(SERVER, "APIHandler.validate_model_parameters", "wrap", requests.refused_parameters),
         Patch(SERVER, "APIHandler.do_POST", "wrap", requests.answered_post),
         Patch(SERVER, "ResponseGenerator._is_batchable", "wrap", batchable_with_kv_bits,
+              needs=(f"{SERVER}.ResponseGenerator._is_batchable", *BATCH_QUANTIZING),
+              feature="--kv-bits batching of MLA models"),
+        Patch(SERVER, "ResponseGenerator._generate", "wrap", generate_with_kv_settings,
               needs=(f"{SERVER}.ResponseGenerator._is_batchable", *BATCH_QUANTIZING),
               feature="--kv-bits batching of MLA models"),
         # One wrapper of _tokenize: the request's checks, then its cache policy.
@@ -73,19 +76,30 @@ def batchable_with_kv_bits(original):
     def _is_batchable(self, args):
         if original(self, args):
             return True
-        cli, provider = self.cli_args, self.model_provider
-        model = getattr(provider, "model", None)
-        if (
-            getattr(cli, "kv_bits", None) is None
-            or model is None
-            or args.seed is not None
-        ):
-            return False
-        if not (provider.is_batchable and has_latent_attention(model)):
-            return False
-        settings = (cli.kv_group_size, cli.kv_bits, cli.quantized_kv_start)
-        object.__setattr__(model, "_mlx_lm_mla_kv", settings)
-        return True
+        model = getattr(self.model_provider, "model", None)
+        return (
+            KVSettings.of(self.cli_args) is not None
+            and model is not None
+            and args.seed is None
+            and self.model_provider.is_batchable
+            and has_latent_attention(model)
+        )
 
     _is_batchable.mlx_lm_mla_original = original
     return _is_batchable
+
+
+def generate_with_kv_settings(original):
+    """``ResponseGenerator._generate`` (the generation thread) with the
+    server's ``--kv-bits`` settings in ``generate.SERVER_KV`` for the
+    BatchGenerators it runs."""
+
+    def _generate(self):
+        token = SERVER_KV.set(KVSettings.of(getattr(self, "cli_args", None)))
+        try:
+            return original(self)
+        finally:
+            SERVER_KV.reset(token)
+
+    _generate.mlx_lm_mla_original = original
+    return _generate
