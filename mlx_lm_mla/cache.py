@@ -7,7 +7,7 @@ caches serve them well; only quantization goes wrong, since
 ``QuantizedKVCache`` hands the model lists where it expects arrays.
 
 The caches here subclass stock's, so other programs that know stock's class
-names keep working; ``patches/cache.py`` turns a stock cache into one of
+names keep working; ``patches/quantize.py`` turns a stock cache into one of
 them in place. The upstream form of the fix is its own code, outside the
 package (``upstream/``).
 """
@@ -463,7 +463,7 @@ class QuantizedRotatingLatentCache(_PackedLatent, RotatingKVCache):
     """A ``RotatingKVCache`` whose latent is quantized. Stock cannot quantize
     a rolling window at all; a latent window can, since the base class
     rotates the latent's bytes like any keys. It serves one sequence: its
-    merge, ``BatchRotatingKVCache.merge``, refuses it (patches/cache.py).
+    merge, ``BatchRotatingKVCache.merge``, refuses it (patches/quantize.py).
     Run time only: the upstream form refuses to quantize a window, as stock
     does for every model."""
 

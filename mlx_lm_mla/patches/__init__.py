@@ -1,10 +1,11 @@
 """Every change this package makes to mlx-lm, applied from one table.
 
-Each module here changes one mlx-lm module and lists its changes as
-``Patch`` rows: ``cache`` (``mlx_lm.models.cache``: quantizing a latent,
-batching it), ``files`` (prompt cache files), ``generate``
-(``mlx_lm.generate``) and ``server`` (``mlx_lm.server``, applied when the
-server is imported, so a program that never imports it does not load it).
+Each module here lists its changes as ``Patch`` rows: ``quantize``
+(``mlx_lm.models.cache``: quantizing a latent in place, batching it),
+``models`` (the MLA model modules: their attention), ``files`` (prompt cache
+files), ``generate`` (``mlx_lm.generate``) and ``server``
+(``mlx_lm.server``, applied when the server is imported, so a program that
+never imports it does not load it).
 
 ``install()`` applies every row and returns what it patched; calling it
 again changes nothing. ``uninstall()`` puts every original back. A row is
@@ -180,10 +181,10 @@ def install():
             RuntimeWarning,
             stacklevel=2,
         )
-    from . import cache, files, generate, models
+    from . import files, generate, models, quantize
 
     _checked.clear()
-    for patch in [*cache.table(), *models.table(), *files.table(), *generate.table()]:
+    for patch in [*quantize.table(), *models.table(), *files.table(), *generate.table()]:
         apply(patch)
     importhook.after_import(SERVER, server_imported)
     _warn_missing()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..cache import _PackedLatent
 from ..mla import ATTENTION, found_once, has_latent_attention, latent_modules, leaves, mark_model_caches
 from .table import Patch
-from . import cache as cache_patches
+from . import quantize
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def quantizing_next(original):
         if settings is not None and has_latent_attention(self.model):
             for batch in (self._prompt_batch, self._generation_batch):
                 caches = getattr(batch, "prompt_cache", [])
-                cache_patches.quantize_batches(caches, settings.group_size, settings.bits, settings.start)
+                quantize.quantize_batches(caches, settings.group_size, settings.bits, settings.start)
         return result
 
     _next.mlx_lm_mla_original = original

@@ -103,7 +103,7 @@ def install(spec):
 
     from .. import patches
     from ..guards import sampling
-    from ..patches import cache as cache_patches
+    from ..patches import quantize as quantize_patches
 
     trigger = _Trigger(*parse(spec))
     patches.install()
@@ -117,8 +117,8 @@ def install(spec):
     patches.set_attr(batch, "merge", classmethod(wrap(merge, "merge", trigger)))
     # Every quantization of a latent, single or batch, goes through this.
     for name in ("quantize_latent", "quantize_rows"):
-        quantize = getattr(cache_patches, name)
-        patches.set_attr(cache_patches, name, wrap(quantize, "to_quantized", trigger))
+        quantize = getattr(quantize_patches, name)
+        patches.set_attr(quantize_patches, name, wrap(quantize, "to_quantized", trigger))
     # One request's sampler in a server's generation step.
     run = sampling.RowSampler.run
     patches.set_attr(sampling.RowSampler, "run", wrap_traced(run, "sample", trigger))
