@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from mlx_lm_mla.testing import tiny
 from mlx_lm_mla.mla import is_latent
-from mlx_lm_mla.patches.files import CHECKSUM, CorruptCacheFile
+from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
 

@@ -10,6 +10,8 @@ import sys
 import time
 
 from .folder import (
+    INDEX,
+    MARKER,
     NotOurs,
     Presence,
     is_cache_name,
@@ -44,7 +46,7 @@ def _files(folder):
         elif temp_owner(name) and is_regular(path):
             temps.append(size)
         elif not (
-            lock_owner(name) or name.startswith(("index.sqlite", "mlx-lm-mla-caches"))
+            lock_owner(name) or name == MARKER or name.startswith(INDEX)
         ):
             other.append(name)
     return caches, temps, other

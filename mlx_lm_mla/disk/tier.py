@@ -295,6 +295,26 @@ class DiskTier:
         holds); else None. Reads only the file it restores; writes nothing."""
         import mlx_lm.models.cache as cache_module
 
+        found = self.lookup(model, tokens, have)
+        if found is None:
+            return None
+        name, n, digest, saved = found
+        cache = self._read(name, digest, saved)
+        if cache is None:
+            return None
+        if n < len(saved) // 4:
+            if not cache_module.can_trim_prompt_cache(cache):
+                return None
+            cache_module.trim_prompt_cache(cache, len(saved) // 4 - n)
+        self._queue.put(("touch", name))
+        logger.info("mlx-lm-mla: restored a prompt cache of %d tokens from disk", n)
+        return cache, tokens[n:]
+
+    def lookup(self, model, tokens, have=0):
+        """``(name, n, model digest, its tokens)`` of the file ``restore``
+        would read, found in the index alone: the deepest block of the
+        prompt some file holds (a binary search over the block hashes),
+        then, of the files that hold it, the one that goes furthest."""
         limit, need = len(tokens) - 1, have + max(self.min_tokens, 1)
         found = self._model(model) if not self.off and limit >= need else None
         blob = _token_bytes(tokens) if found else None
@@ -317,18 +337,7 @@ class DiskTier:
         if saved is None or not is_cache_name(name):
             return None
         n = _common(saved, prompt)  # the whole prefix, not its hashes only
-        if n < need:
-            return None
-        cache = self._read(name, found[1], saved)
-        if cache is None:
-            return None
-        if n < len(saved) // 4:
-            if not cache_module.can_trim_prompt_cache(cache):
-                return None
-            cache_module.trim_prompt_cache(cache, len(saved) // 4 - n)
-        self._queue.put(("touch", name))
-        logger.info("mlx-lm-mla: restored a prompt cache of %d tokens from disk", n)
-        return cache, tokens[n:]
+        return (name, n, found[1], saved) if n >= need else None
 
     def _read(self, name, digest, saved):
         path = self.folder / name
