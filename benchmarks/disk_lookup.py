@@ -56,8 +56,12 @@ def fill(tier, key, rows, tokens, system):
         for i in range(rows):
             ids = system + _prompt(tokens - len(system), 1000 + i)
             blob = np.asarray(ids, dtype="<i4").tobytes()
-            record = make_record(json.loads(model), digest, tier.cache_digest, {}, blob, True)
-            index.add(db, file_name(digest, tier.cache_digest, blob), record, blob, 1 << 20)
+            record = make_record(
+                json.loads(model), digest, tier.cache_digest, {}, blob, True
+            )
+            index.add(
+                db, file_name(digest, tier.cache_digest, blob), record, blob, 1 << 20
+            )
 
 
 def timed(call, repeat):
@@ -99,16 +103,28 @@ def lookups(args, tmp):
         }
         found = {k: tier.lookup(key, p) for k, p in prompts.items()}
         assert found["unrelated"] is None and found["half a row"][1] == args.tokens // 2
-        ms = {k: 1e3 * timed(lambda p=p: tier.lookup(key, p), args.repeat) for k, p in prompts.items()}
+        ms = {
+            k: 1e3 * timed(lambda p=p: tier.lookup(key, p), args.repeat)
+            for k, p in prompts.items()
+        }
         tier.close()
         size = (folder / SUBFOLDER / INDEX).stat().st_size
         check = timed(lambda: Index(folder / SUBFOLDER).problem(), 3)
-        entry = {"rows": n, "tokens_per_row": args.tokens, "index_mb": size / 1e6,
-                 "fill_s": built, "check_at_start_s": check,
-                 **{f"lookup_ms_{k.replace(' ', '_')}": v for k, v in ms.items()}}
+        entry = {
+            "rows": n,
+            "tokens_per_row": args.tokens,
+            "index_mb": size / 1e6,
+            "fill_s": built,
+            "check_at_start_s": check,
+            **{f"lookup_ms_{k.replace(' ', '_')}": v for k, v in ms.items()},
+        }
         results.append(entry)
-        print(f"{n} rows: lookups {', '.join(f'{k} {v:.2f} ms' for k, v in ms.items())}; "
-              f"index {size / 1e6:.0f} MB, checked in {check:.2f} s", file=sys.stderr, flush=True)
+        print(
+            f"{n} rows: lookups {', '.join(f'{k} {v:.2f} ms' for k, v in ms.items())}; "
+            f"index {size / 1e6:.0f} MB, checked in {check:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
@@ -143,7 +159,9 @@ def write_large_file(model_path, folder, tokens):
 
     model, tokenizer = tiny.load(model_path)
     text = base_text(tokens * 2, seed=3)
-    ids = tokenizer.apply_chat_template(sc.messages(text, "Summarise."), add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        sc.messages(text, "Summarise."), add_generation_prompt=True
+    )
     ids = list(ids)[:tokens]
     cache = make_prompt_cache(model)
     model(mx.array([ids[:1]]), cache=cache)  # the layers' shapes
@@ -152,8 +170,10 @@ def write_large_file(model_path, folder, tokens):
         shape[2] = len(ids)
         layer.keys = layer.values = None
         layer.offset = 0
-        layer.update_and_fetch(mx.random.normal(shape).astype(mx.bfloat16),
-                               mx.random.normal(shape).astype(mx.bfloat16))
+        layer.update_and_fetch(
+            mx.random.normal(shape).astype(mx.bfloat16),
+            mx.random.normal(shape).astype(mx.bfloat16),
+        )
     args = server_args(["--model", model_path, "--prompt-cache-dir", folder])
     tier = DiskTier(folder, 1 << 40, cache_settings(args), min_tokens=256)
     tier.store((str(model_path), None, None), ids, cache)
@@ -169,29 +189,53 @@ def ttfts(args, tmp):
     from mlx_lm_mla.testing import tiny
 
     mlx_lm_mla.install()
-    model = tiny.save_model(Path(tmp) / "qwen2", "qwen2", dtype=mx.bfloat16,
-                            max_position_embeddings=65536)
+    model = tiny.save_model(
+        Path(tmp) / "qwen2", "qwen2", dtype=mx.bfloat16, max_position_embeddings=65536
+    )
     large = Path(tmp) / "with-file"
     nbytes = write_large_file(str(model), large, args.file_tokens)
-    variants = {"no tier": [], "tier, empty folder": ["--prompt-cache-dir", Path(tmp) / "empty"],
-                f"tier, a {args.file_tokens:,}-token file": ["--prompt-cache-dir", large]}
+    variants = {
+        "no tier": [],
+        "tier, empty folder": ["--prompt-cache-dir", Path(tmp) / "empty"],
+        f"tier, a {args.file_tokens:,}-token file": ["--prompt-cache-dir", large],
+    }
     times, cached, logs = {v: [] for v in variants}, {v: 0 for v in variants}, {}
     for r in range(args.rounds):
-        order = list(variants)[r % len(variants):] + list(variants)[: r % len(variants)]
+        order = (
+            list(variants)[r % len(variants) :] + list(variants)[: r % len(variants)]
+        )
         for variant in order:
             log = Path(tmp) / f"log-{len(logs)}"
             logs[log] = variant
             with sc.Server(model, *variants[variant], log=log) as server:
-                sc.chat(server.port, sc.messages("Be brief.", "Hello?"), 4, stream=True,
-                        logit_bias=sc.EOS_BIAS)
+                sc.chat(
+                    server.port,
+                    sc.messages("Be brief.", "Hello?"),
+                    4,
+                    stream=True,
+                    logit_bias=sc.EOS_BIAS,
+                )
                 for i in range(args.requests):
                     q = sc.messages("Be brief.", f"What is {i} plus {r}?")
-                    out = sc.chat(server.port, q, 4, stream=True, logit_bias=sc.EOS_BIAS)
+                    out = sc.chat(
+                        server.port, q, 4, stream=True, logit_bias=sc.EOS_BIAS
+                    )
                     times[variant].append(out["ttft"])
-                    cached[variant] = max(cached[variant], sc.cached_tokens(out["usage"]))
-    restored = [v for log, v in logs.items() if "restored a prompt cache" in log.read_text()]
-    results = [{"variant": v, "ttft_median_s": statistics.median(t), "n": len(t),
-                "max_cached_tokens": cached[v]} for v, t in times.items()]
+                    cached[variant] = max(
+                        cached[variant], sc.cached_tokens(out["usage"])
+                    )
+    restored = [
+        v for log, v in logs.items() if "restored a prompt cache" in log.read_text()
+    ]
+    results = [
+        {
+            "variant": v,
+            "ttft_median_s": statistics.median(t),
+            "n": len(t),
+            "max_cached_tokens": cached[v],
+        }
+        for v, t in times.items()
+    ]
     return results, nbytes, restored
 
 
@@ -199,13 +243,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[100, 1000, 10000])
     p.add_argument("--tokens", type=int, default=8192, help="tokens per row")
-    p.add_argument("--system", type=int, default=1024, help="tokens every row starts with")
+    p.add_argument(
+        "--system", type=int, default=1024, help="tokens every row starts with"
+    )
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--file-tokens", type=int, default=32768)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=5)
     p.add_argument("--skip-ttft", action="store_true")
-    p.add_argument("--json", default=None, help=f"default benchmarks/results/{NAME}.json")
+    p.add_argument(
+        "--json", default=None, help=f"default benchmarks/results/{NAME}.json"
+    )
     args = p.parse_args()
 
     started = time.perf_counter()
@@ -216,26 +264,69 @@ def main():
         ttft, nbytes, restored = ttfts(args, tmp) if not args.skip_ttft else ([], 0, [])
 
     print()
-    sc.table([[f"{e['rows']:,}", f"{e['tokens_per_row']:,}", f"{e['index_mb']:.0f}",
-               f"{e['lookup_ms_unrelated']:.2f}", f"{e['lookup_ms_system_prompt']:.2f}",
-               f"{e['lookup_ms_half_a_row']:.2f}", f"{e['check_at_start_s']:.2f}"] for e in lookup],
-             ["rows", "tokens/row", "index MB", "lookup ms: unrelated", "system prompt",
-              "half a row", "check at start s"])
+    sc.table(
+        [
+            [
+                f"{e['rows']:,}",
+                f"{e['tokens_per_row']:,}",
+                f"{e['index_mb']:.0f}",
+                f"{e['lookup_ms_unrelated']:.2f}",
+                f"{e['lookup_ms_system_prompt']:.2f}",
+                f"{e['lookup_ms_half_a_row']:.2f}",
+                f"{e['check_at_start_s']:.2f}",
+            ]
+            for e in lookup
+        ],
+        [
+            "rows",
+            "tokens/row",
+            "index MB",
+            "lookup ms: unrelated",
+            "system prompt",
+            "half a row",
+            "check at start s",
+        ],
+    )
     largest = max(lookup, key=lambda e: e["rows"])
     worst = max(v for k, v in largest.items() if k.startswith("lookup_ms"))
     met = largest["rows"] >= 10000 and worst <= TARGET_MS
-    print(f"\ntarget: a lookup at 10,000 rows <= {TARGET_MS:g} ms: {'MET' if met else 'MISSED'} "
-          f"({worst:.2f} ms at {largest['rows']:,} rows)")
+    print(
+        f"\ntarget: a lookup at 10,000 rows <= {TARGET_MS:g} ms: "
+        f"{'MET' if met else 'MISSED'} "
+        f"({worst:.2f} ms at {largest['rows']:,} rows)"
+    )
     if ttft:
         print()
-        sc.table([[e["variant"], f"{e['ttft_median_s']:.3f}", str(e["n"]), str(e["max_cached_tokens"])]
-                  for e in ttft], ["server", "TTFT s (median)", "requests", "cached tokens, most"])
-        print(f"\nfile on disk: {nbytes / 1e6:.1f} MB; servers that restored from disk: "
-              f"{sorted(set(restored)) or 'none'}")
-    path = sc.write_json(args.json, NAME, args, {"lookup": lookup, "ttft": ttft,
-                                                "file_bytes": nbytes, "restored": restored,
-                                                "target": {"lookup_ms": TARGET_MS, "met": met}},
-                         started, vers)
+        sc.table(
+            [
+                [
+                    e["variant"],
+                    f"{e['ttft_median_s']:.3f}",
+                    str(e["n"]),
+                    str(e["max_cached_tokens"]),
+                ]
+                for e in ttft
+            ],
+            ["server", "TTFT s (median)", "requests", "cached tokens, most"],
+        )
+        print(
+            f"\nfile on disk: {nbytes / 1e6:.1f} MB; servers that restored from disk: "
+            f"{sorted(set(restored)) or 'none'}"
+        )
+    path = sc.write_json(
+        args.json,
+        NAME,
+        args,
+        {
+            "lookup": lookup,
+            "ttft": ttft,
+            "file_bytes": nbytes,
+            "restored": restored,
+            "target": {"lookup_ms": TARGET_MS, "met": met},
+        },
+        started,
+        vers,
+    )
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
     return 0
 
