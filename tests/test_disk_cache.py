@@ -329,7 +329,7 @@ def test_a_folder_that_is_not_the_tiers_is_refused_and_left_alone(
     assert "no marker of the tier" in capsys.readouterr().err
     (tmp_path / "f").write_text("a file")
     usage_error(server_main, "--prompt-cache-dir", "f")
-    assert "cannot make" in capsys.readouterr().err
+    assert "f is not a directory" in capsys.readouterr().err
     assert (
         os.listdir(taken) == ["notes.txt"] and (tmp_path / "f").read_text() == "a file"
     )

@@ -100,6 +100,8 @@ def open_folder(directory, create=True):
     With ``create`` false, nothing is made."""
     directory = Path(directory).expanduser().absolute()
     folder = directory / SUBFOLDER
+    if directory.exists() and not directory.is_dir():
+        raise NotOurs(f"{directory} is not a directory")
     try:
         if create:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -122,8 +124,8 @@ def open_folder(directory, create=True):
         found = _read_marker(marker)
     if found is None:
         raise NotOurs(
-            f"{folder} holds files but no marker of the tier ({MARKER}): "
-            "they are not its own; move them or choose another folder"
+            f"{folder} has no marker of the tier ({MARKER}), so what it holds "
+            "is not the tier's; move it or choose another folder"
         )
     if found != FORMAT:
         raise NotOurs(

@@ -308,10 +308,12 @@ def prefixes(db, model_digest, cache_digest, tokens):
 
 def total_bytes(db):
     """Bytes of the files and of the temporary files being written."""
-    return db.execute(
-        "SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM entries) + "
-        "(SELECT COALESCE(SUM(nbytes), 0) FROM pending)"
-    ).fetchone()[0]
+    files = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+    return files + pending_bytes(db)
+
+
+def pending_bytes(db):
+    return db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM pending").fetchone()[0]
 
 
 def oldest(db):

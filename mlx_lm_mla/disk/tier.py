@@ -434,6 +434,15 @@ class DiskTier:
         with self.index.transaction() as db:
             if db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone():
                 return  # written meanwhile by another server
+            if rows.pending_bytes(db) + size > self.max_bytes:
+                self._warn(
+                    "crowded",
+                    "mlx-lm-mla: no room in %s while other processes write to it; "
+                    "a prompt cache of %d bytes stays in RAM only",
+                    self.folder,
+                    size,
+                )
+                return
             evicted = evict(db, self.max_bytes, room=size)
             db.execute(
                 "INSERT INTO pending VALUES (?, ?, ?)", (temp, self.presence.id, size)
