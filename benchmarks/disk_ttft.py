@@ -62,8 +62,10 @@ def stream(server, messages, args):
 
 
 def on_disk(folder):
-    """(tokens, bytes) of the largest cache file in the directory's index."""
-    with sqlite3.connect(Path(folder) / "index.sqlite") as db:
+    """(tokens, bytes) of the largest cache file in the tier's index."""
+    from mlx_lm_mla.disk.folder import INDEX, SUBFOLDER
+
+    with sqlite3.connect(Path(folder) / SUBFOLDER / INDEX) as db:
         row = db.execute("SELECT n_tokens, nbytes FROM entries ORDER BY n_tokens DESC LIMIT 1").fetchone()
     return row or (0, 0)
 

@@ -1,8 +1,9 @@
 """A process that writes prompt caches into a disk tier directory, for the
 crash and two-process tests: ``python disk_child.py FOLDER MODEL START COUNT
-MAX_BYTES [CRASH]``. CRASH: ``fsync:N`` kills the process when its N-th
-file is written but not yet renamed into place, ``replace:N`` once it is
-renamed but its index row not committed."""
+MAX_BYTES [CRASH [PID]]``. CRASH: ``fsync:N`` kills the process when its
+N-th file is written but not yet renamed into place, ``replace:N`` once it
+is renamed but its index row not committed. PID: the process id it reports
+(``os.getpid``), as a process of a reused PID would (a container's PID 1)."""
 
 import argparse
 import os
@@ -43,20 +44,22 @@ def _crash_at(name, n):
         if name == "replace":
             real(*args)
         if len(calls) == n:
-            os.kill(os.getpid(), signal.SIGKILL)
+            signal.raise_signal(signal.SIGKILL)  # this process, whatever getpid says
         if name != "replace":
             real(*args)
 
     setattr(os, name, crashing)
 
 
-def main(folder, model, start, count, max_bytes, crash=None):
+def main(folder, model, start, count, max_bytes, crash=None, pid=None):
     import mlx_lm_mla
     from mlx_lm_mla.disk.tier import DiskTier
 
+    if pid:
+        os.getpid = lambda: int(pid)
     mlx_lm_mla.install()
-    tier = DiskTier(folder, int(max_bytes), settings())
-    if crash:
+    tier = DiskTier(folder, int(max_bytes), settings(), min_tokens=64)
+    if crash and crash != "-":
         point, _, n = crash.partition(":")
         _crash_at(point, int(n))
     for k in range(int(start), int(start) + int(count)):

@@ -25,7 +25,7 @@ def test_serve_takes_mlx_lm_server_flags():
 
 def test_unknown_command_prints_usage():
     out = run("frobnicate")
-    usage = "usage: mlx-lm-mla {repro,serve,lmstudio}"
+    usage = "usage: mlx-lm-mla {repro,serve,lmstudio,cache-dir}"
     assert out.returncode == 2 and usage in out.stderr
 
 

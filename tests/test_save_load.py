@@ -4,6 +4,7 @@ load_prompt_cache is looked up on the module at call time, since install()
 patches it there.
 """
 
+import io
 import random
 import zlib
 
@@ -14,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from mlx_lm_mla.testing import tiny
 from mlx_lm_mla.mla import is_latent
-from mlx_lm_mla.patches.files import CHECKSUM, CorruptCacheFile
+from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
 
@@ -232,15 +233,67 @@ def test_a_cache_in_a_layout_never_released_is_refused_by_name(installed):
             QuantizedLatentCache.from_state(arrays + (fmt,))
 
 
-def test_the_checksum_is_of_the_data_whatever_pieces_it_is_written_in(tmp_path):
-    from mlx_lm_mla.patches.files import DataChecksum
+def test_the_checksum_is_of_every_byte_of_the_file_whatever_pieces_it_is_written_in(tmp_path):
+    from mlx_lm_mla.checksum import add_checksum, check_cache_file
 
-    path = tmp_path / "a.safetensors"
-    mx.save_safetensors(str(path), {"a": mx.arange(1000, dtype=mx.float32)}, {"k": "v"})
-    raw = path.read_bytes()
-    whole, pieces = DataChecksum(), DataChecksum()
-    whole.write(raw)
-    for i in range(0, len(raw), 7):
-        pieces.write(raw[i : i + 7])
+    arrays = {"a": mx.arange(1000, dtype=mx.float32)}
+
+    def save(file, cache, metadata):  # into the checksum's sink 7 bytes at a time
+        if isinstance(file, str):
+            return mx.save_safetensors(file, arrays, metadata)
+        whole = io.BytesIO()
+        mx.save_safetensors(whole, arrays, metadata)
+        raw = whole.getvalue()
+        for i in range(0, len(raw), 7):
+            file.write(raw[i : i + 7])
+
+    metadata = {"k": "v"}
+    size = add_checksum(save, None, metadata)
+    path = str(tmp_path / "a.safetensors")
+    save(path, None, metadata)
+    check_cache_file(path)
+    raw = open(path, "rb").read()
+    value = metadata[CHECKSUM]
+    assert len(raw) == size and raw.count(f'"{value}"'.encode()) == 1
+    blank = raw.replace(value.encode(), value[:-8].encode() + b"00000000")
+    assert value == f"file-crc32:{zlib.crc32(blank):08x}"
+
+
+def swap_layers_in_header(raw):
+    """The file with layer 0's and layer 1's first arrays swapped in its
+    header: valid JSON of the same length, a wrong cache."""
+    end = 8 + int.from_bytes(raw[:8], "little")
+    header = raw[8:end].replace(b'"0.0":{', b'"x.x":{').replace(b'"1.0":{', b'"0.0":{').replace(b'"x.x":{', b'"1.0":{')
+    assert header != raw[8:end]
+    return raw[:8] + header + raw[end:]
+
+
+def test_a_header_that_swaps_two_layers_is_refused_by_its_checksum(installed, tmp_path):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    good = tmp_path / "good.safetensors"
+    save_prompt_cache(str(good), prefilled(model, bits=4))
+    path = tmp_path / "swapped.safetensors"
+    path.write_bytes(swap_layers_in_header(good.read_bytes()))
+    with pytest.raises(CorruptCacheFile, match="checksum does not match"):
+        cache_module.load_prompt_cache(str(path))
+
+
+def test_a_file_with_the_data_only_checksum_of_earlier_releases_loads_and_is_checked(installed, tmp_path):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    cache = prefilled(model, bits=4)
+    good = tmp_path / "good.safetensors"
+    save_prompt_cache(str(good), cache)
+    arrays, meta = mx.load(str(good), return_metadata=True)
+    [key] = [k for k in meta if CHECKSUM in k]
+    old = str(tmp_path / "old.safetensors")
+    mx.save_safetensors(old, arrays, {**meta, key: "crc32:00000000"})
+    raw = open(old, "rb").read()
     data = raw[8 + int.from_bytes(raw[:8], "little"):]
-    assert whole.value() == pieces.value() == f"crc32:{zlib.crc32(data):08x}"
+    mx.save_safetensors(old, arrays, {**meta, key: f"crc32:{zlib.crc32(data):08x}"})
+    loaded = cache_module.load_prompt_cache(old)
+    assert mx.array_equal(continue_from(model, loaded), continue_from(model, prefilled(model, bits=4)))
+    damaged = bytearray(open(old, "rb").read())
+    damaged[-1] ^= 1
+    open(old, "wb").write(bytes(damaged))
+    with pytest.raises(CorruptCacheFile, match="checksum does not match"):
+        cache_module.load_prompt_cache(old)

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-# The format of the directory's files and index; a change refuses old files.
-FORMAT = "mlx-lm-mla-disk-1"
+# The format of the tier's folder, files and index; a change refuses old ones.
+FORMAT = "mlx-lm-mla-disk-2"
 
 # Files read whole (config, tokenizer, chat template); other files (the
 # weights) are known by name, size and modification time.

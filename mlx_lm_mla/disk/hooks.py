@@ -1,148 +1,254 @@
-"""The server's side of the disk tier: its two flags, the tier's life with
-the server's, and the server's prompt cache (``LRUPromptCache``, the first
-tier) joined to it."""
+"""The server's side of the disk tier: its flags on mlx-lm's own parser,
+the tier's life with the server's (a stop on SIGTERM that commits the
+queued writes), and the server's prompt cache (``LRUPromptCache``, the
+first tier) joined to it."""
 
+import argparse
 import logging
-import os
 import signal
-import sys
+import sqlite3
 import threading
+import types
+from fractions import Fraction
 
 from ..guards.reuse import NoStore, cache_problem
+from .folder import SUBFOLDER, NotOurs, open_folder
+from .index import BLOCK
+from .tier import DEFAULT_MIN_TOKENS
 
 logger = logging.getLogger(__name__)
 
-DIR, BYTES = "--prompt-cache-dir", "--prompt-cache-dir-bytes"
+DIR, BYTES, MIN_TOKENS = (
+    "--prompt-cache-dir",
+    "--prompt-cache-dir-bytes",
+    "--prompt-cache-dir-min-tokens",
+)
 DEFAULT_BYTES = 10 << 30
-
-HELP = f"""
-mlx-lm-mla options (prompt caches on disk):
-  {DIR} DIR
-                        Also keep the server's prompt caches in DIR, written
-                        in the background, restored after a restart (created
-                        with mode 0700). Off by default.
-  {BYTES} N
-                        Bound on the size of DIR's cache files; the least
-                        recently used are deleted past it. Suffixes K, M, G, T
-                        (powers of 1024). Default: 10G.
-"""
+_LARGEST = (1 << 63) - 1  # SQLite's integers
 
 ACTIVE = []  # the running server's DiskTier
-_flags = {}  # folder and max_bytes from the command line
 
 
 def parse_size(text):
+    """Bytes from ``500000000``, ``4G``, ``1.5GiB``, ``800M``...: a whole or
+    decimal number and a suffix K, M, G or T (powers of 1024)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    scale = units.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in units else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{BYTES}: expected a positive size such as 4G or 500000000, got {text!r}")
+    raw = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    scale = units.get(raw[-1:], 1)
+    number = raw[:-1] if raw[-1:] in units else raw
+    whole, _, part = number.partition(".")
+    digits = whole + part
+    value = (
+        int(Fraction(number) * scale) if digits.isascii() and digits.isdigit() else 0
+    )
+    if not 0 < value <= _LARGEST:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive size such as 4G or 500000000, at most "
+            f"{_LARGEST}, got {text!r}"
+        )
     return value
 
 
-def take_flags(argv):
-    """``argv`` without the package's flags, and their values (folder or
-    None, bytes). Raises ValueError naming a bad one."""
-    rest, found = [], {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        flag, eq, value = arg.partition("=")
-        if flag in (DIR, BYTES):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"{flag}: expected a value")
-                value, i = argv[i + 1], i + 1
-            found[flag] = value
-        else:
-            rest.append(arg)
-        i += 1
-    if BYTES in found and DIR not in found:
-        raise ValueError(f"{BYTES} needs {DIR}")
-    if DIR in found and not found[DIR].strip():
-        raise ValueError(f"{DIR}: expected a directory, got an empty value")
-    size = parse_size(found[BYTES]) if BYTES in found else DEFAULT_BYTES
-    return rest, found.get(DIR), size
+def parse_min_tokens(text):
+    value = (
+        int(text) if str(text).strip().isascii() and str(text).strip().isdigit() else 0
+    )
+    if value < BLOCK:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of tokens, at least {BLOCK}, got {text!r}"
+        )
+    return value
 
 
-def with_flags(main):
-    """``mlx_lm.server.main`` that takes the disk tier's flags out of the
-    command line before its own parser reads it, and lists them in --help."""
-
-    def main_(*args, **kwargs):
-        from .tier import open_folder
-
-        program = os.path.basename(sys.argv[0]) or "mlx_lm.server"
-        try:
-            rest, folder, size = take_flags(sys.argv[1:])
-            if folder is not None and not {"-h", "--help"} & set(rest):
-                folder = open_folder(folder)
-        except (ValueError, OSError) as e:
-            print(f"{program}: error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        sys.argv = [sys.argv[0], *rest]
-        _flags.clear()
-        if folder is not None:
-            _flags.update(folder=folder, max_bytes=size)
-        try:
-            return main(*args, **kwargs)
-        except SystemExit:
-            if {"-h", "--help"} & set(rest):
-                print(HELP)
-            raise
-
-    main_.mlx_lm_mla_original = main
-    return main_
+def parse_folder(text):
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("expected a directory, got an empty value")
+    return text
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # the server stops as on Ctrl-C, the tier's writes finish
+def add_flags(parser):
+    group = parser.add_argument_group("prompt caches on disk (mlx-lm-mla)")
+    group.add_argument(
+        DIR,
+        metavar="DIR",
+        type=parse_folder,
+        default=None,
+        help=f"Also keep the server's prompt caches on disk, in DIR/{SUBFOLDER} (made "
+        "with mode 0700 and a marker file; nothing else in DIR is touched), written in "
+        "the background and restored after a restart. Off by default.",
+    )
+    group.add_argument(
+        BYTES,
+        metavar="N",
+        type=parse_size,
+        default=None,
+        help="Bound on the size of the tier's cache files, temporary files included; "
+        "the least recently used are deleted past it, at start too. Suffixes K, M, "
+        "G, T (powers of 1024). Default: 10G.",
+    )
+    group.add_argument(
+        MIN_TOKENS,
+        metavar="N",
+        type=parse_min_tokens,
+        default=None,
+        help="Read a prompt cache from disk only where it covers at least N more "
+        f"tokens of the prompt than RAM's, and keep on disk only caches of N tokens "
+        f"or more (at least {BLOCK}). Default: {DEFAULT_MIN_TOKENS}.",
+    )
+
+
+def check_flags(parser, args):
+    """After the whole command line parsed: the flags fit together, and the
+    tier's folder is there (made now) and its own."""
+    if args.prompt_cache_dir is None:
+        for flag, value in (
+            (BYTES, args.prompt_cache_dir_bytes),
+            (MIN_TOKENS, args.prompt_cache_dir_min_tokens),
+        ):
+            if value is not None:
+                parser.error(f"argument {flag}: needs {DIR}")
+        return
+    try:
+        open_folder(args.prompt_cache_dir)
+    except NotOurs as e:
+        parser.error(f"argument {DIR}: {e}")
+
+
+class ServerParser(argparse.ArgumentParser):
+    """The parser ``mlx_lm.server.main`` makes, with the tier's flags added
+    when it parses (once), so they are read, listed and refused as its own."""
+
+    def _with_flags(self):
+        if not getattr(self, "_mlx_lm_mla_disk", False):
+            self._mlx_lm_mla_disk = True
+            add_flags(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._with_flags()
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        self._with_flags()
+        parsed = super().parse_args(args, namespace)
+        check_flags(self, parsed)
+        return parsed
+
+
+def server_argparse(original):
+    """``mlx_lm.server``'s ``argparse``: the same module, but the
+    ``ArgumentParser`` its ``main`` makes is a ``ServerParser``."""
+    module = types.ModuleType(original.__name__, original.__doc__)
+    module.__dict__.update(vars(original))
+    module.ArgumentParser = ServerParser
+    module.mlx_lm_mla_original = original
+    return module
 
 
 def loaded_paths(key, cli_args):
     """The paths a server's model key loads. mlx-lm 0.31's server keys its
     command line's model as "default_model" (with its adapter and draft
     model); 0.32's keys hold the paths themselves."""
-    if not (isinstance(key, (tuple, list)) and len(key) == 3 and key[0] == "default_model"):
+    if not (
+        isinstance(key, (tuple, list)) and len(key) == 3 and key[0] == "default_model"
+    ):
         return key
-    draft = getattr(cli_args, "draft_model", None) if key[2] == "default_model" else key[2]
+    draft = (
+        getattr(cli_args, "draft_model", None) if key[2] == "default_model" else key[2]
+    )
     return (cli_args.model, key[1] or getattr(cli_args, "adapter_path", None), draft)
+
+
+def open_tier(cli_args):
+    """The tier the command line asks for, or None with one warning where
+    it cannot be opened: the server then serves without it."""
+    from .fingerprint import cache_settings
+    from .tier import DiskTier
+
+    size = getattr(cli_args, "prompt_cache_dir_bytes", None) or DEFAULT_BYTES
+    least = getattr(cli_args, "prompt_cache_dir_min_tokens", None) or DEFAULT_MIN_TOKENS
+    try:
+        tier = DiskTier(
+            cli_args.prompt_cache_dir,
+            size,
+            cache_settings(cli_args),
+            least,
+            paths=lambda key: loaded_paths(key, cli_args),
+        )
+    except (NotOurs, OSError, sqlite3.Error) as e:
+        logger.warning(
+            "mlx-lm-mla: prompt caches on disk are off, the server keeps "
+            "them in RAM: %s",
+            e,
+        )
+        return None
+    logger.info(
+        "mlx-lm-mla: prompt caches on disk in %s (up to %d bytes)",
+        tier.folder,
+        tier.max_bytes,
+    )
+    return tier
+
+
+class _SigtermStop:
+    """A SIGTERM handler that stops the server as Ctrl-C does: upstream
+    catches the KeyboardInterrupt around its HTTP loop and lets its
+    generation loop end its step, so the caches it inserts are queued.
+    A second SIGTERM ends the process at once."""
+
+    def __init__(self):
+        self.received = False
+
+    def __call__(self, signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.received = True
+        raise KeyboardInterrupt
 
 
 def with_tier(run):
     """``mlx_lm.server.run`` that opens the disk tier for the server's
-    lifetime when ``--prompt-cache-dir`` is given, and on SIGTERM stops as
-    on Ctrl-C so that queued writes finish."""
+    lifetime when ``--prompt-cache-dir`` is given. On SIGTERM the server
+    stops as on Ctrl-C, the queued writes are committed, and SIGTERM then
+    ends the process as it ends one without the tier (status -15), without
+    the interpreter's exit, where MLX's threads can abort the process."""
 
     def run_(host, port, model_provider, *args, **kwargs):
-        from .fingerprint import cache_settings
-        from .tier import DiskTier
-
-        if not _flags:
+        cli_args = model_provider.cli_args
+        if getattr(cli_args, "prompt_cache_dir", None) is None:
             return run(host, port, model_provider, *args, **kwargs)
         if getattr(model_provider, "is_distributed", False):
-            logger.warning("mlx-lm-mla: %s is not supported for a distributed server; prompt caches stay in RAM", DIR)
+            logger.warning(
+                "mlx-lm-mla: %s is not supported for a distributed server; "
+                "prompt caches stay in RAM",
+                DIR,
+            )
             return run(host, port, model_provider, *args, **kwargs)
-        tier = DiskTier(_flags["folder"], _flags["max_bytes"], cache_settings(model_provider.cli_args),
-                        paths=lambda key: loaded_paths(key, model_provider.cli_args))
-        logger.info("mlx-lm-mla: prompt caches on disk in %s (up to %d bytes)", tier.folder, tier.max_bytes)
+        tier = open_tier(cli_args)
+        if tier is None:
+            return run(host, port, model_provider, *args, **kwargs)
         ACTIVE.append(tier)
         main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.getsignal(signal.SIGTERM) if main_thread else None
-        if previous == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _interrupt)
+        stop = (
+            _SigtermStop()
+            if main_thread and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            else None
+        )
+        if stop:
+            signal.signal(signal.SIGTERM, stop)
         try:
             return run(host, port, model_provider, *args, **kwargs)
+        except KeyboardInterrupt:
+            if not (stop and stop.received):
+                raise  # Ctrl-C outside upstream's loop: as upstream
         finally:
+            if stop:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             ACTIVE.remove(tier)
             tier.close()
-            if previous == signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, previous)
+            if stop and stop.received:
+                logger.info(
+                    "mlx-lm-mla: prompt caches on disk committed; stopping on SIGTERM"
+                )
+                signal.raise_signal(signal.SIGTERM)
 
     run_.mlx_lm_mla_original = run
     return run_
@@ -160,7 +266,9 @@ def fetch_from_disk(original):
         try:
             found = ACTIVE[0].restore(model, tokens, have)
         except Exception as e:  # the disk never fails a request
-            logger.warning("mlx-lm-mla: could not read the prompt caches on disk: %r", e)
+            logger.warning(
+                "mlx-lm-mla: could not read the prompt caches on disk: %r", e
+            )
             found = None
         return found if found is not None else (cache, rest)
 
@@ -173,11 +281,17 @@ def insert_to_disk(original):
 
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         result = original(self, model, tokens, prompt_cache, *args, **kwargs)
-        if ACTIVE and not isinstance(tokens, NoStore) and cache_problem(prompt_cache, len(tokens)) is None:
+        if (
+            ACTIVE
+            and not isinstance(tokens, NoStore)
+            and cache_problem(prompt_cache, len(tokens)) is None
+        ):
             try:
                 ACTIVE[0].store(model, tokens, prompt_cache)
             except Exception as e:
-                logger.warning("mlx-lm-mla: could not queue a prompt cache for disk: %r", e)
+                logger.warning(
+                    "mlx-lm-mla: could not queue a prompt cache for disk: %r", e
+                )
         return result
 
     insert_cache.mlx_lm_mla_original = original

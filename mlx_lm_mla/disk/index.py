@@ -1,51 +1,98 @@
-"""The index of a prompt cache directory, in SQLite: one row per cache
-file, keyed by the model and cache digests and the tokens it holds, with
-its size and last use. SQLite's locking lets several servers share it."""
+"""The index of the tier's folder, in SQLite: a row per cache file (its
+model and cache digests, tokens, size, last use) and, per file, the chained
+hashes of its tokens' whole blocks (``BLOCK`` tokens), so the longest
+stored prefix of a prompt is found with a few indexed lookups whatever the
+number of files, as vLLM's and LMCache's prefix caches find theirs; and the
+temporary files being written, counted against the bound. SQLite's
+locking lets several servers share it."""
 
 import contextlib
+import hashlib
+import json
 import os
 import sqlite3
+import stat
 import threading
 import time
+import uuid
 
-NAME = "index.sqlite"
+from .fingerprint import FORMAT
+from .folder import INDEX
+
+BLOCK = 64  # tokens per hashed block
+_CANDIDATES = 64  # files compared past a shared block, at most
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    name TEXT PRIMARY KEY,          -- the cache file, in the directory
-    model TEXT NOT NULL,            -- the model's path as the server names it
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE entries (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,      -- the cache file, in the tier's folder
+    model TEXT NOT NULL,            -- JSON: the paths the server loads
     model_digest TEXT NOT NULL,     -- fingerprint.model_digest
     cache_digest TEXT NOT NULL,     -- fingerprint.cache_digest
+    settings TEXT NOT NULL,         -- JSON: fingerprint.cache_settings
     n_tokens INTEGER NOT NULL,
     tokens BLOB NOT NULL,           -- int32, little-endian
+    last_block INTEGER,             -- the hash of its last whole block
     nbytes INTEGER NOT NULL,        -- the file's size
     trimmable INTEGER NOT NULL,
     last_used REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS entries_by_key ON entries (model_digest, cache_digest);
-CREATE INDEX IF NOT EXISTS entries_by_use ON entries (last_used);
+CREATE INDEX entries_by_use ON entries (last_used);
+CREATE INDEX entries_by_last_block ON entries (last_block);
+CREATE INDEX entries_by_model ON entries (model, cache_digest);
+CREATE TABLE blocks (
+    hash INTEGER NOT NULL,          -- chained hash of a whole block of tokens
+    entry INTEGER NOT NULL,         -- entries.id of a file holding it
+    PRIMARY KEY (hash, entry)
+) WITHOUT ROWID;
+CREATE TABLE pending (              -- temporary files being written
+    name TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,            -- the writing process's id (folder.Presence)
+    nbytes INTEGER NOT NULL
+);
 """
 
 
-class Index:
-    """The index of one directory. Each thread (the server's generation
-    thread, the tier's writer) has its own connection, so a lookup never
-    waits on a write of this process beyond SQLite's own short locks."""
+def root(model_digest, cache_digest):
+    """Where the chain of a model's and settings' blocks starts."""
+    return hashlib.blake2b(
+        f"{model_digest}{cache_digest}".encode(), digest_size=8
+    ).digest()
 
-    def __init__(self, folder):
-        self.path = os.path.join(folder, NAME)
-        # Created empty with the user's permissions only; SQLite gives its
-        # journal the database file's permissions.
-        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+
+def block_hashes(start, tokens):
+    """Chained hashes of the whole blocks of ``tokens`` (int32 bytes): the
+    i-th stands for all tokens up to the end of block i."""
+    out, h, size = [], start, BLOCK * 4
+    for i in range(0, len(tokens) - size + 1, size):
+        h = hashlib.blake2b(h + tokens[i : i + size], digest_size=8).digest()
+        out.append(int.from_bytes(h, "little", signed=True))
+    return out
+
+
+class Index:
+    """The index of one folder. Each thread (the server's generation
+    thread, the tier's writer) has its own connection; the generation
+    thread only reads, so a lookup never waits on a write beyond SQLite's
+    own short locks and never needs one."""
+
+    def __init__(self, folder, timeout=60.0):
+        self.path = os.path.join(folder, INDEX)
+        self.timeout = timeout
         self._local = threading.local()
         self._all = []
-        self.db.executescript(_SCHEMA)
 
     @property
     def db(self):
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(
+                self.path,
+                timeout=self.timeout,
+                isolation_level=None,
+                check_same_thread=False,
+            )
             self._local.db = db
             self._all.append(db)
         return db
@@ -55,6 +102,71 @@ class Index:
             db.close()
         self._all.clear()
         self._local = threading.local()
+
+    # --- whether it can be used, and a new one ---------------------------
+
+    def problem(self):
+        """Why the index cannot be used ("missing" where there is none), or None."""
+        try:
+            info = os.lstat(self.path)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+        if not stat.S_ISREG(info.st_mode):
+            return "not a regular file"
+        if info.st_size == 0:
+            return "missing"
+        try:
+            check = self.db.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                return f"damaged ({check[0][0]})"
+            if not self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE name = 'meta'"
+            ).fetchone():
+                return "of another schema"
+            found = self.db.execute(
+                "SELECT value FROM meta WHERE key = 'format'"
+            ).fetchone()
+        except (sqlite3.Error, OSError) as e:
+            return f"unreadable or damaged ({e})"
+        finally:
+            self.close()
+        return (
+            None if found == (FORMAT,) else f"of another format ({found and found[0]})"
+        )
+
+    def move_aside(self):
+        """Renames the index and the journals SQLite keeps beside it out of
+        the way (a journal left beside a new index would be rolled into
+        it); returns the new name, or None where there was none. An empty
+        index holds nothing: it is left to ``create``."""
+        empty = False
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        aside, moved = f"{INDEX}.aside-{stamp}", False
+        folder = os.path.dirname(self.path)
+        with contextlib.suppress(OSError):
+            info = os.lstat(self.path)
+            empty = stat.S_ISREG(info.st_mode) and info.st_size == 0
+        tails = (
+            ("-journal", "-wal", "-shm") if empty else ("", "-journal", "-wal", "-shm")
+        )
+        for tail in tails:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(self.path + tail, os.path.join(folder, aside + tail))
+                moved = True
+        return aside if moved else None
+
+    def create(self):
+        """A new, empty index in place of a missing or empty one."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # an empty file: SQLite would take it as a database
+        os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        with self.transaction() as db:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT,))
 
     @contextlib.contextmanager
     def transaction(self):
@@ -68,58 +180,151 @@ class Index:
             raise
         db.execute("COMMIT")
 
-    def rows(self, model_digest, cache_digest):
-        """(name, tokens, trimmable) of every entry for these digests."""
-        return self.db.execute(
-            "SELECT name, tokens, trimmable FROM entries WHERE model_digest = ? AND cache_digest = ?",
-            (model_digest, cache_digest),
-        ).fetchall()
-
-    def others(self, model, model_digest, cache_digest):
-        """(name, tokens, model_digest, cache_digest) of the entries of the
-        same model path made with other files or settings."""
-        return self.db.execute(
-            "SELECT name, tokens, model_digest, cache_digest FROM entries "
-            "WHERE model = ? AND NOT (model_digest = ? AND cache_digest = ?)",
-            (model, model_digest, cache_digest),
-        ).fetchall()
-
-    def touch(self, name):
-        self.db.execute("UPDATE entries SET last_used = ? WHERE name = ?", (time.time(), name))
+    # --- reads (the generation thread) -----------------------------------
 
     def has(self, name):
-        return self.db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone() is not None
+        return (
+            self.db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone()
+            is not None
+        )
+
+    def deepest(self, hashes):
+        """How many leading blocks of ``hashes`` some file holds: a file that
+        holds block i holds every block before it, so a binary search."""
+        low, high = 0, len(hashes)
+        while low < high:
+            mid = (low + high + 1) // 2
+            found = self.db.execute(
+                "SELECT 1 FROM blocks WHERE hash = ? LIMIT 1", (hashes[mid - 1],)
+            )
+            if found.fetchone():
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def candidates(self, hashes, depth):
+        """(name, n_tokens, trimmable, next tokens) of files that hold the
+        first ``depth`` blocks, with the block of tokens after them."""
+        return self.db.execute(
+            "SELECT e.name, e.n_tokens, e.trimmable, substr(e.tokens, ?, ?) "
+            "FROM blocks b JOIN entries e ON e.id = b.entry WHERE b.hash = ? LIMIT ?",
+            (depth * BLOCK * 4 + 1, BLOCK * 4, hashes[depth - 1], _CANDIDATES),
+        ).fetchall()
+
+    def tokens(self, name):
+        row = self.db.execute(
+            "SELECT tokens FROM entries WHERE name = ?", (name,)
+        ).fetchone()
+        return row[0] if row else None
+
+    def changed(self, model, model_digest, cache_digest):
+        """Names of the files of this model path and settings written when
+        its files were others (another model digest)."""
+        return [
+            r[0]
+            for r in self.db.execute(
+                "SELECT name FROM entries WHERE model = ? AND cache_digest = ? "
+                "AND model_digest != ?",
+                (model, cache_digest, model_digest),
+            )
+        ]
 
     def total_bytes(self):
-        return self.db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+        return total_bytes(self.db)
 
-    # Inside a transaction:
+    def summary(self):
+        """Per model and settings: (model, settings, files, bytes, fewest
+        tokens, most tokens, last use)."""
+        return self.db.execute(
+            "SELECT model, settings, COUNT(*), SUM(nbytes), MIN(n_tokens), "
+            "MAX(n_tokens), "
+            "MAX(last_used) FROM entries GROUP BY model, settings ORDER BY model"
+        ).fetchall()
 
-    @staticmethod
-    def add(db, name, model, model_digest, cache_digest, tokens, nbytes, trimmable):
-        db.execute(
-            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (name, model, model_digest, cache_digest, len(tokens) // 4, tokens, nbytes,
-             int(trimmable), time.time()),
-        )
 
-    @staticmethod
-    def remove(db, name):
-        return db.execute("DELETE FROM entries WHERE name = ?", (name,)).rowcount
+# --- inside a write transaction ------------------------------------------
 
-    @staticmethod
-    def prefixes(db, model_digest, cache_digest, tokens):
-        """Names of the entries for these digests whose tokens are a strict
-        prefix of ``tokens``."""
-        found = db.execute(
-            "SELECT name, tokens FROM entries WHERE model_digest = ? AND cache_digest = ? AND n_tokens < ?",
-            (model_digest, cache_digest, len(tokens) // 4),
-        )
-        return [name for name, t in found if tokens.startswith(t)]
 
-    @staticmethod
-    def oldest(db):
-        """(name, nbytes, total bytes) of the least recently used entry."""
-        row = db.execute("SELECT name, nbytes FROM entries ORDER BY last_used LIMIT 1").fetchone()
-        total = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
-        return (row[0], row[1], total) if row else (None, 0, total)
+def add(db, name, record, tokens, nbytes, last_used=None):
+    """Adds the entry of a file, given its record (``cachefile.make_record``)."""
+    hashes = block_hashes(root(record["model_digest"], record["cache_digest"]), tokens)
+    remove(db, name)
+    entry = db.execute(
+        "INSERT INTO entries (name, model, model_digest, cache_digest, settings, "
+        "n_tokens, tokens, last_block, nbytes, trimmable, last_used) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            name,
+            json.dumps(record["model"]),
+            record["model_digest"],
+            record["cache_digest"],
+            json.dumps(record["settings"], sort_keys=True),
+            len(tokens) // 4,
+            tokens,
+            hashes[-1] if hashes else None,
+            nbytes,
+            int(record["trimmable"]),
+            time.time() if last_used is None else last_used,
+        ),
+    ).lastrowid
+    db.executemany(
+        "INSERT OR IGNORE INTO blocks VALUES (?, ?)", [(h, entry) for h in hashes]
+    )
+
+
+def remove(db, name):
+    """Removes a file's entry and its blocks; whether there was one."""
+    row = db.execute(
+        "SELECT id, model_digest, cache_digest, tokens FROM entries WHERE name = ?",
+        (name,),
+    ).fetchone()
+    if row is None:
+        return False
+    entry, model_digest, cache_digest, tokens = row
+    hashes = block_hashes(root(model_digest, cache_digest), tokens)
+    db.executemany(
+        "DELETE FROM blocks WHERE hash = ? AND entry = ?", [(h, entry) for h in hashes]
+    )
+    db.execute("DELETE FROM entries WHERE id = ?", (entry,))
+    return True
+
+
+def prefixes(db, model_digest, cache_digest, tokens):
+    """Names of the files of these digests whose tokens are a strict
+    prefix of ``tokens``."""
+    hashes = block_hashes(root(model_digest, cache_digest), tokens)
+    found = []
+    for i in range(0, len(hashes), 500):  # under SQLite's limit of parameters
+        part = hashes[i : i + 500]
+        found += db.execute(
+            "SELECT name, tokens FROM entries WHERE last_block IN "
+            f"({','.join('?' * len(part))}) "
+            "AND model_digest = ? AND cache_digest = ? AND n_tokens < ?",
+            (*part, model_digest, cache_digest, len(tokens) // 4),
+        ).fetchall()
+    return [name for name, t in found if tokens.startswith(t)]
+
+
+def total_bytes(db):
+    """Bytes of the files and of the temporary files being written."""
+    files = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+    return files + pending_bytes(db)
+
+
+def pending_bytes(db):
+    return db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM pending").fetchone()[0]
+
+
+def oldest(db):
+    """The name of the least recently used file, or None."""
+    row = db.execute("SELECT name FROM entries ORDER BY last_used LIMIT 1").fetchone()
+    return row[0] if row else None
+
+
+def names(db):
+    return [row[0] for row in db.execute("SELECT name FROM entries")]
+
+
+def pending(db):
+    return db.execute("SELECT name, owner FROM pending").fetchall()

@@ -1,184 +1,383 @@
-"""The disk tier: prompt caches of the server written to a directory in the
-background, found again by their tokens and restored, the directory kept
-under its byte bound by evicting the least recently used."""
+"""The disk tier: prompt caches of the server written to the tier's folder
+in the background, found again by their tokens' block hashes and
+restored, the folder kept under its byte bound by evicting the least
+recently used. Opening the folder repairs what a crash or damage left:
+an index that cannot be read is moved aside and built again from the
+files' own records."""
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import queue
+import sqlite3
 import threading
-from pathlib import Path
+import time
 
 import numpy as np
 
+from ..checksum import CorruptCacheFile
 from ..guards.reuse import cache_problem
-from ..patches.files import CorruptCacheFile
-from . import files
+from . import cachefile
+from . import index as rows
 from .fingerprint import cache_digest, model_digest
-from .index import NAME, Index
+from .folder import (
+    Presence,
+    alive,
+    cache_name,
+    is_cache_name,
+    is_regular,
+    lock_owner,
+    maintenance,
+    open_folder,
+    temp_name,
+    temp_owner,
+)
+from .index import BLOCK, Index, block_hashes, root
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".safetensors"
-
-
-def open_folder(folder):
-    """Creates the directory (the user's only) or checks an existing one."""
-    folder = Path(folder).expanduser().resolve()
-    if not folder.exists():
-        folder.mkdir(mode=0o700, parents=True)
-    elif not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is not a directory")
-    if folder.stat().st_mode & 0o077:
-        logger.warning("mlx-lm-mla: %s can be read by other users; prompt caches hold your prompts", folder)
-    probe = folder / f"{files.TEMP}{os.getpid()}-probe"
-    probe.touch(mode=0o600)  # fails here, at start, where it is not writable
-    probe.unlink()
-    return folder
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
+DEFAULT_MIN_TOKENS = 256
+EVICTED = "least recently used, the folder was over its bound"
 
 
 def _common(a, b):
-    """Length of the common prefix of two int arrays."""
+    """Length, in tokens, of the common prefix of two int32 byte strings."""
+    a, b = np.frombuffer(a, dtype="<i4"), np.frombuffer(b, dtype="<i4")
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
 
 
+def _token_bytes(tokens):
+    try:
+        return np.asarray(tokens, dtype="<i4").tobytes()
+    except (TypeError, ValueError, OverflowError):
+        return None  # a key that is not plain token ids (images)
+
+
+def unlink(folder, name, why, level=logging.INFO):
+    """Deletes one of the tier's own files, logged with ``why``. Anything
+    that is not a plain file of the tier's names is left alone."""
+    path = folder / name
+    own = is_cache_name(name) or temp_owner(name) or lock_owner(name)
+    if not own or os.path.basename(name) != name:
+        logger.warning(
+            "mlx-lm-mla: the index names %r, not a file of the tier; nothing deleted",
+            name,
+        )
+        return False
+    if not is_regular(path):
+        if os.path.lexists(path):
+            logger.warning("mlx-lm-mla: %s is not a regular file; left alone", path)
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    logger.log(level, "mlx-lm-mla: deleted %s: %s", path, why)
+    return True
+
+
+def open_index(folder, index):
+    """Makes ``index`` usable: one that cannot be read is moved aside and a
+    new one built from the cache files' own records. Call in maintenance."""
+    why = index.problem()
+    if why is None:
+        return
+    aside = index.move_aside()  # with a journal of its own, where one is left
+    index.create()
+    with index.transaction() as db:
+        found = [n for n in sorted(os.listdir(folder)) if is_cache_name(n)]
+        adopted = sum(adopt(folder, db, name) for name in found)
+    if why != "missing":
+        logger.warning(
+            "mlx-lm-mla: the index of %s was %s; moved aside to %s and built again "
+            "from %d cache files",
+            folder,
+            why,
+            aside,
+            adopted,
+        )
+    elif found:
+        logger.warning(
+            "mlx-lm-mla: %s had no index; built one from %d cache files",
+            folder,
+            adopted,
+        )
+
+
+def adopt(folder, db, name):
+    """Adds the row of a cache file from its record; deletes, with the
+    reason, a file whose record does not read or fit its name."""
+    path = folder / name
+    if not is_regular(path):
+        logger.warning("mlx-lm-mla: %s is not a regular file; left alone", path)
+        return False
+    try:
+        record = cachefile.read_record(path)
+        tokens = cachefile.record_tokens(record)
+        if name != file_name(record["model_digest"], record["cache_digest"], tokens):
+            raise CorruptCacheFile("its record is not that of its name")
+        rows.add(
+            db, name, record, tokens, os.stat(path).st_size, os.stat(path).st_mtime
+        )
+    except (CorruptCacheFile, KeyError, TypeError, ValueError) as e:
+        unlink(folder, name, f"refused: {e}", logging.WARNING)
+        return False
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def file_name(model_digest, cache_digest, tokens):
+    return cache_name(
+        hashlib.sha256(f"{model_digest}{cache_digest}".encode() + tokens).hexdigest()
+    )
+
+
+def sweep(folder, db, presence):
+    """Removes what a crash can leave: temporary files and locks of
+    processes that are gone, rows of files that are not there; indexes the
+    files renamed into place whose row was not committed. Call in
+    maintenance, inside a write transaction."""
+    known = set(rows.names(db))
+    for name in sorted(os.listdir(folder)):
+        owner = temp_owner(name) or lock_owner(name)
+        if owner and owner != presence.id and not alive(folder, owner):
+            why = (
+                "a temporary file of a process that ended before it finished it"
+                if temp_owner(name)
+                else "the lock of a process that ended"
+            )
+            unlink(
+                folder, name, why, logging.WARNING if temp_owner(name) else logging.INFO
+            )
+        elif is_cache_name(name) and name not in known:
+            adopt(folder, db, name)
+    for name, owner in rows.pending(db):
+        if owner != presence.id and not alive(folder, owner):
+            db.execute("DELETE FROM pending WHERE name = ?", (name,))
+    for name in known:
+        if not is_cache_name(name):
+            logger.warning(
+                "mlx-lm-mla: the index of %s names %r, not a file of the tier; "
+                "its row is removed, nothing deleted",
+                folder,
+                name,
+            )
+            rows.remove(db, name)
+        elif not is_regular(folder / name):
+            logger.warning(
+                "mlx-lm-mla: %s is missing or not a regular file; its row is removed",
+                folder / name,
+            )
+            rows.remove(db, name)
+
+
+def evict(db, max_bytes, room=0):
+    """Removes the rows of the least recently used files until the files,
+    those being written and ``room`` more bytes fit in ``max_bytes``;
+    returns their names, for the caller to delete once committed."""
+    gone = []
+    while rows.total_bytes(db) + room > max_bytes:
+        name = rows.oldest(db)
+        if name is None:
+            break
+        rows.remove(db, name)
+        gone.append(name)
+    return gone
+
+
 class DiskTier:
-    """A directory of prompt caches for one server's settings.
+    """The tier's folder in ``directory``, for one server's settings.
 
     ``store`` (generation thread) takes a snapshot of a cache and queues it;
-    the writer thread writes it to a temporary file, then renames it into
-    place and adds its index row in one index transaction, so a crash leaves
-    either both or a stray file that the next ``sweep`` removes.
+    the writer thread makes room for it (evicting first, its size counted
+    while it is written), writes a temporary file, then renames it into
+    place and adds its row in one index transaction. ``restore`` only
+    reads: its recency and any refused file go to the writer thread.
     """
 
-    def __init__(self, folder, max_bytes, settings, pending=8, paths=None):
-        self.folder = open_folder(folder)
+    def __init__(
+        self,
+        directory,
+        max_bytes,
+        settings,
+        min_tokens=DEFAULT_MIN_TOKENS,
+        pending=8,
+        paths=None,
+        timeout=60.0,
+    ):
+        self.folder = open_folder(directory)
+        self.max_bytes, self.min_tokens = int(max_bytes), int(min_tokens)
+        self.settings, self.cache_digest = settings, cache_digest(settings)
         self._paths = paths or (lambda model: model)  # model key: the paths it loads
-        self.max_bytes = int(max_bytes)
-        self.cache_digest = cache_digest(settings)
-        self.index = Index(self.folder)
-        self._digests = {}  # model key: model digest (None: not on disk)
-        self._queue = queue.Queue(maxsize=pending)
-        self.sweep()
-        self._writer = threading.Thread(target=self._write_loop, name="mlx-lm-mla disk tier", daemon=True)
+        self._models = {}  # model key: (model JSON, model digest) or None
+        self._refused = set()  # files found bad, until the writer deletes them
+        self._warned = set()
+        self.off = None  # why the tier turned itself off while running
+        self.index = Index(self.folder, timeout)
+        with maintenance(self.folder):
+            open_index(self.folder, self.index)
+            self.presence = Presence(self.folder)
+            try:
+                with self.index.transaction() as db:
+                    sweep(self.folder, db, self.presence)
+                    gone = evict(db, self.max_bytes)
+            except BaseException:
+                self.presence.release()
+                raise
+        for name in gone:
+            unlink(self.folder, name, EVICTED)
+        self._pending, self._writes, self._lock = pending, 0, threading.Lock()
+        self._closing = False
+        self._queue = queue.Queue()
+        self._writer = threading.Thread(
+            target=self._write_loop, name="mlx-lm-mla disk tier", daemon=True
+        )
         self._writer.start()
 
     # --- the generation thread -------------------------------------------
 
-    def model_digest(self, model):
-        if model not in self._digests:
-            digest = model_digest(self._paths(model))
+    def _model(self, model):
+        """(model JSON, model digest) of a server's model key, or None."""
+        if model not in self._models:
+            paths = self._paths(model)
+            digest = model_digest(paths)
             if digest is None:
-                logger.warning("mlx-lm-mla: the files of model %s are not on disk; its prompt caches stay in RAM", model)
-            self._digests[model] = digest
-        return self._digests[model]
-
-    def _key(self, model, tokens):
-        digest = self.model_digest(model)
-        if digest is None:
-            return None
-        try:
-            blob = np.asarray(tokens, dtype="<i4").tobytes()
-        except (TypeError, ValueError, OverflowError):
-            return None  # a key that is not plain token ids (images)
-        name = hashlib.sha256(f"{digest}{self.cache_digest}".encode() + blob).hexdigest()[:40]
-        return digest, blob, name + SUFFIX
+                logger.warning(
+                    "mlx-lm-mla: the files of model %s are not on disk; its "
+                    "prompt caches stay in RAM",
+                    model,
+                )
+                self._models[model] = None
+            else:
+                listed = list(paths) if isinstance(paths, (tuple, list)) else [paths]
+                self._models[model] = (json.dumps(listed, default=str), digest)
+                self._queue.put(("changed", *self._models[model]))
+        return self._models[model]
 
     def store(self, model, tokens, cache):
-        """Queues ``cache`` (holding exactly ``tokens``) for writing."""
+        """Queues ``cache`` (holding exactly ``tokens``) for writing, where it
+        is long enough to be read back (``min_tokens``)."""
         import mlx_lm.models.cache as cache_module
 
-        key = self._key(model, tokens)
-        if key is None or not tokens:
+        if self.off or self._closing or len(tokens) < self.min_tokens:
             return
-        digest, blob, name = key
-        if self.index.has(name):
-            self.index.touch(name)  # stored already, by this server or another
+        found, blob = self._model(model), _token_bytes(tokens)
+        if found is None or blob is None:
             return
-        behind = "mlx-lm-mla: disk writes fall behind; a prompt cache of %d tokens stays in RAM only"
-        if self._queue.full():  # checked first: a snapshot costs a copy
-            logger.warning(behind, len(tokens))
+        name = file_name(found[1], self.cache_digest, blob)
+        if self.index.has(name):  # stored already, by this server or another
+            self._queue.put(("touch", name))
             return
+        with self._lock:
+            if self._writes >= self._pending:
+                self._warn(
+                    "behind",
+                    "mlx-lm-mla: disk writes fall behind; a prompt cache of "
+                    "%d tokens stays in RAM only",
+                    len(tokens),
+                )
+                return
+            self._writes += 1
         trimmable = cache_module.can_trim_prompt_cache(cache)
-        try:
-            self._queue.put_nowait((repr(model), digest, blob, name, files.snapshot(cache), trimmable))
-        except queue.Full:
-            logger.warning(behind, len(tokens))
+        self._queue.put(
+            ("write", *found, blob, name, cachefile.snapshot(cache), trimmable)
+        )
 
     def restore(self, model, tokens, have=0):
-        """``(cache, tokens[n:])`` for the cache on disk that covers the
-        longest prefix ``n`` of ``tokens`` (at most all but the last token),
-        where ``n > have``; else None. A file that is not what its index row
-        says is refused with a warning and deleted."""
+        """``(cache, tokens[n:])`` for the file that covers the longest
+        prefix ``n`` of ``tokens`` (at most all but the last token), where
+        ``n`` is at least ``min_tokens`` more than ``have`` (what RAM
+        holds); else None. Reads only the file it restores; writes nothing."""
         import mlx_lm.models.cache as cache_module
 
-        if len(tokens) - 1 <= have:
+        found = self.lookup(model, tokens, have)
+        if found is None:
             return None
-        key = self._key(model, tokens)
-        if key is None:
+        name, n, digest, saved = found
+        cache = self._read(name, digest, saved)
+        if cache is None:
             return None
-        digest, blob, _ = key
-        prompt = np.frombuffer(blob, dtype="<i4")
-        limit = len(prompt) - 1
-        best = (have, None, None)
-        for name, saved, trimmable in self.index.rows(digest, self.cache_digest):
-            saved = np.frombuffer(saved, dtype="<i4")
-            n = min(_common(saved, prompt), limit)
-            if n > best[0] and (n == len(saved) or trimmable):
-                best = (n, name, saved)
-        self._refuse_others(model, digest, prompt, best[0])
-        n, name, saved = best
-        if name is None:
-            return None
-        record = {"model_digest": digest, "cache_digest": self.cache_digest,
-                  "tokens": files.tokens_digest(saved.tobytes())}
-        try:
-            cache = files.read(str(self.folder / name), record)
-            problem = cache_problem(cache, len(saved))
-            if problem:
-                raise CorruptCacheFile(problem)
-        except FileNotFoundError:
-            self._delete([name])  # deleted by another server in between
-            return None
-        except CorruptCacheFile as e:
-            logger.warning("mlx-lm-mla: refused prompt cache file %s on disk: %s; deleted, the prompt is prefilled", name, e)
-            self._delete([name])
-            return None
-        if n < len(saved):
-            cache_module.trim_prompt_cache(cache, len(saved) - n)
-        self.index.touch(name)
+        if n < len(saved) // 4:
+            if not cache_module.can_trim_prompt_cache(cache):
+                return None
+            cache_module.trim_prompt_cache(cache, len(saved) // 4 - n)
+        self._queue.put(("touch", name))
         logger.info("mlx-lm-mla: restored a prompt cache of %d tokens from disk", n)
         return cache, tokens[n:]
 
-    def _refuse_others(self, model, digest, prompt, reach):
-        """Deletes, with a warning, the files of this model path made with
-        other model files or settings that would have covered more of the
-        prompt than what is restored."""
-        stale = []
-        for name, saved, other_model, other_cache in self.index.others(repr(model), digest, self.cache_digest):
-            if _common(np.frombuffer(saved, dtype="<i4"), prompt) > max(reach, 0):
-                why = (
-                    "the model's files (weights, config or tokenizer) changed since it was written"
-                    if other_model != digest
-                    else "it was written with other cache settings (--kv-bits, --kv-group-size, "
-                    "--quantized-kv-start) or another mlx/mlx-lm"
-                )
-                logger.warning("mlx-lm-mla: refused prompt cache file %s on disk: %s; deleted", name, why)
-                stale.append(name)
-        if stale:
-            self._delete(stale)
+    def lookup(self, model, tokens, have=0):
+        """``(name, n, model digest, its tokens)`` of the file ``restore``
+        would read, found in the index alone: the deepest block of the
+        prompt some file holds (a binary search over the block hashes),
+        then, of the files that hold it, the one that goes furthest."""
+        limit, need = len(tokens) - 1, have + max(self.min_tokens, 1)
+        found = self._model(model) if not self.off and limit >= need else None
+        blob = _token_bytes(tokens) if found else None
+        if blob is None:
+            return None
+        prompt = blob[: limit * 4]
+        hashes = block_hashes(root(found[1], self.cache_digest), prompt)
+        depth = self.index.deepest(hashes)
+        if depth == 0 or min(limit, (depth + 1) * BLOCK - 1) < need:
+            return None
+        best, name, rest = 0, None, prompt[depth * BLOCK * 4 :]
+        for candidate, n_tokens, trimmable, after in self.index.candidates(
+            hashes, depth
+        ):
+            n = min(depth * BLOCK + _common(after, rest), n_tokens)
+            usable = (n == n_tokens or trimmable) and candidate not in self._refused
+            if usable and n > best:
+                best, name = n, candidate
+        saved = self.index.tokens(name) if name and best >= need else None
+        if saved is None or not is_cache_name(name):
+            return None
+        n = _common(saved, prompt)  # the whole prefix, not its hashes only
+        return (name, n, found[1], saved) if n >= need else None
+
+    def _read(self, name, digest, saved):
+        path = self.folder / name
+        expected = {
+            "model_digest": digest,
+            "cache_digest": self.cache_digest,
+            "tokens": cachefile.tokens_text(saved),
+        }
+        if not is_regular(path):
+            self._refuse(
+                name, "its file is missing or not a regular file", delete=False
+            )
+            return None
+        try:
+            cache = cachefile.read(path, expected)
+            problem = cache_problem(cache, len(saved) // 4)
+            if problem:
+                raise CorruptCacheFile(problem)
+        except FileNotFoundError:
+            self._refuse(name, "deleted by another process", delete=False)
+            return None
+        except (CorruptCacheFile, OSError) as e:
+            logger.warning(
+                "mlx-lm-mla: refused prompt cache file %s on disk: %s; the "
+                "prompt is prefilled",
+                path,
+                e,
+            )
+            self._refuse(name, f"refused: {e}", delete=isinstance(e, CorruptCacheFile))
+            return None
+        return cache
+
+    def _refuse(self, name, why, delete):
+        self._refused.add(name)
+        self._queue.put(("delete", name, why, delete))
+
+    def _warn(self, key, message, *args):
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
 
     # --- the writer thread -----------------------------------------------
 
@@ -188,85 +387,139 @@ class DiskTier:
             try:
                 if job is None:
                     return
-                self._write(*job)
+                if not self.off:
+                    getattr(self, f"_{job[0]}")(*job[1:])
+            except sqlite3.DatabaseError as e:
+                if isinstance(e, sqlite3.OperationalError):  # locked, full, read-only
+                    self._warn(
+                        ("index", job[0]),
+                        "mlx-lm-mla: could not update the index of %s: %s",
+                        self.folder,
+                        e,
+                    )
+                else:
+                    self.off = (
+                        f"its index is damaged ({e}); the next start builds it again"
+                    )
+                    logger.warning(
+                        "mlx-lm-mla: prompt caches on disk are off: %s", self.off
+                    )
             except Exception as e:
-                logger.warning("mlx-lm-mla: could not write a prompt cache to %s: %s", self.folder, e)
+                self._warn(
+                    ("write", type(e)),
+                    "mlx-lm-mla: could not write a prompt cache to %s: %s",
+                    self.folder,
+                    e,
+                )
             finally:
+                if job and job[0] == "write":
+                    with self._lock:
+                        self._writes -= 1
                 self._queue.task_done()
 
     def _write(self, model, digest, blob, name, cache, trimmable):
-        record = {"model_digest": digest, "cache_digest": self.cache_digest, "tokens": files.tokens_digest(blob)}
-        temp, size = files.write_temp(str(self.folder), cache, record)
-        try:
-            if size > self.max_bytes:
-                logger.warning("mlx-lm-mla: a prompt cache of %d bytes is larger than --prompt-cache-dir-bytes; not kept", size)
+        record = cachefile.make_record(
+            json.loads(model), digest, self.cache_digest, self.settings, blob, trimmable
+        )
+        metadata, size = cachefile.prepare(cache, record)
+        if size > self.max_bytes:
+            self._warn(
+                "large",
+                "mlx-lm-mla: a prompt cache of %d bytes is larger than "
+                "--prompt-cache-dir-bytes; not kept",
+                size,
+            )
+            return
+        temp = temp_name(self.presence.id)
+        with self.index.transaction() as db:
+            if db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone():
+                return  # written meanwhile by another server
+            if rows.pending_bytes(db) + size > self.max_bytes:
+                self._warn(
+                    "crowded",
+                    "mlx-lm-mla: no room in %s while other processes write to it; "
+                    "a prompt cache of %d bytes stays in RAM only",
+                    self.folder,
+                    size,
+                )
                 return
+            evicted = evict(db, self.max_bytes, room=size)
+            db.execute(
+                "INSERT INTO pending VALUES (?, ?, ?)", (temp, self.presence.id, size)
+            )
+        for old in evicted:
+            unlink(self.folder, old, EVICTED)
+        try:
+            cachefile.write(self.folder / temp, cache, metadata)
             with self.index.transaction() as db:
-                os.replace(temp, self.folder / name)
-                Index.add(db, name, model, digest, self.cache_digest, blob, size, trimmable)
+                db.execute("DELETE FROM pending WHERE name = ?", (temp,))
+                os.replace(self.folder / temp, self.folder / name)
+                rows.add(db, name, record, blob, size)
                 # As in RAM: a trimmable cache makes the ones of its prefixes redundant.
-                gone = Index.prefixes(db, digest, self.cache_digest, blob) if trimmable else []
+                gone = (
+                    rows.prefixes(db, digest, self.cache_digest, blob)
+                    if trimmable
+                    else []
+                )
                 for old in gone:
-                    Index.remove(db, old)
-                gone += self._evict(db)
-        finally:
-            if os.path.exists(temp):
-                os.unlink(temp)
-        self._unlink(gone)
+                    rows.remove(db, old)
+        except BaseException:
+            if os.path.lexists(self.folder / temp):
+                unlink(self.folder, temp, "its write failed")
+            with contextlib.suppress(sqlite3.Error), self.index.transaction() as db:
+                db.execute("DELETE FROM pending WHERE name = ?", (temp,))
+            raise
+        for old in gone:
+            unlink(self.folder, old, "a newer file holds its tokens and more")
 
-    def _evict(self, db):
-        gone = []
-        while True:
-            name, _, total = Index.oldest(db)
-            if name is None or total <= self.max_bytes:
-                return gone
-            Index.remove(db, name)
-            gone.append(name)
+    def _touch(self, name):
+        self.index.db.execute(
+            "UPDATE entries SET last_used = ? WHERE name = ?", (time.time(), name)
+        )
+
+    def _delete(self, name, why, delete):
+        with self.index.transaction() as db:
+            removed = rows.remove(db, name)
+        if delete and removed:
+            unlink(self.folder, name, why, logging.WARNING)
+        elif removed:
+            logger.warning(
+                "mlx-lm-mla: removed the index row of %s: %s", self.folder / name, why
+            )
+
+    def _changed(self, model, digest):
+        stale = self.index.changed(model, digest, self.cache_digest)
+        for name in stale:
+            with self.index.transaction() as db:
+                removed = rows.remove(db, name)
+            if removed:
+                unlink(
+                    self.folder,
+                    name,
+                    "written when the model's files (weights, config or "
+                    "tokenizer) were others",
+                    logging.WARNING,
+                )
 
     # --- either thread ---------------------------------------------------
 
-    def _delete(self, names):
-        with self.index.transaction() as db:
-            for name in names:
-                Index.remove(db, name)
-        self._unlink(names)
-
-    def _unlink(self, names):
-        for name in names:
-            try:
-                os.unlink(self.folder / name)
-            except FileNotFoundError:
-                pass
-
-    def sweep(self):
-        """Removes what a crash can leave: temporary files of processes that
-        are gone, cache files without an index row, rows without a file."""
-        with self.index.transaction() as db:
-            names = {row[0] for row in db.execute("SELECT name FROM entries")}
-            for item in self.folder.iterdir():
-                if item.name.startswith(files.TEMP):
-                    pid = item.name[len(files.TEMP):].split("-")[0]
-                    if not (pid.isdigit() and _alive(int(pid))):
-                        item.unlink()
-                elif item.name.endswith(SUFFIX) and item.name not in names:
-                    item.unlink()
-            for name in names:
-                if not (self.folder / name).is_file():
-                    Index.remove(db, name)
-
     def flush(self):
-        """Waits until every queued write is done."""
+        """Waits until every queued job is done."""
         self._queue.join()
 
     def close(self, timeout=120):
-        """Finishes the queued writes, then closes the index."""
+        """Finishes the queued writes, then lets the folder go."""
+        if self._closing:
+            return
+        self._closing = True
         self._queue.put(None)
         self._writer.join(timeout)
         if not self._writer.is_alive():
+            self.presence.release()
             self.index.close()
 
     def total_bytes(self):
         return self.index.total_bytes()
 
 
-__all__ = ["DiskTier", "NAME", "open_folder"]
+__all__ = ["DiskTier", "DEFAULT_MIN_TOKENS"]

@@ -35,10 +35,21 @@ class Field:
 
 
 @dataclass(frozen=True)
+class Calls:
+    """A module global holding the module ``module``, through which the
+    same module's ``function`` makes each of ``calls`` (dotted names; a
+    leading dot: that method of any object)."""
+
+    module: str
+    function: str
+    calls: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Private:
     module: str
     name: str  # "Class.attribute" or "function"
-    expects: object  # Method or Field
+    expects: object  # Method, Field or Calls
     why: str  # why no public hook serves
 
     @property
@@ -77,6 +88,10 @@ PRIVATE = (
             "a request's sampler is built by the server's own builder to validate it"),
     Private("mlx_lm.server", "_make_logits_processors", Method(("args",)),
             "a request's logits processors, likewise"),
+    Private("mlx_lm.server", "argparse",
+            Calls("argparse", "main", ("argparse.ArgumentParser", ".parse_args")),
+            "main() makes its parser and reads the command line in one call; "
+            "flags join mlx-lm's own only through the parser class it makes"),
     Private("mlx_lm.server", "APIHandler._set_completion_headers", Method(("self", "status_code")),
             "upstream answers every error of generate() with 404"),
     Private("mlx_lm.models.base", "scaled_dot_product_attention",
@@ -118,10 +133,39 @@ def _assigned(cls, name):
     return cls.__qualname__ == cls.__name__ and name in _fields(cls.__module__, cls.__name__)
 
 
+def _dotted(node):
+    # "a.b.c" of an attribute chain on a name; ".c" where it starts elsewhere.
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([getattr(node, "id", ""), *parts[::-1]])
+
+
+def _calls_problem(entry):
+    expects, module = entry.expects, importlib.import_module(entry.module)
+    value = getattr(module, entry.name, None)
+    wanted = importlib.import_module(expects.module)
+    if getattr(value, "mlx_lm_mla_original", value) is not wanted:
+        return f"not the {expects.module} module"
+    try:
+        tree = ast.parse(inspect.getsource(getattr(module, expects.function)))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return f"{expects.function}() not found"
+    made = {_dotted(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    lacking = [c for c in expects.calls
+               if not any(m == c or c[0] == "." and m.endswith(c) for m in made)]
+    if lacking:
+        return f"{expects.function}() makes no call to {', '.join(lacking)}"
+    return None
+
+
 def problem(entry):
     """Why the installed code does not meet ``entry``, or None."""
     owner_path, _, name = entry.name.rpartition(".")
     expects = entry.expects
+    if isinstance(expects, Calls):
+        return _calls_problem(entry)
     if isinstance(expects, Method):
         found = _resolve(entry.module, entry.name)
         if not callable(found):

@@ -4,93 +4,16 @@ refused by name instead of loading garbage, and a latent cache is saved
 with a checksum."""
 
 import functools
-import io
 import json
 import os
 import tempfile
-import zlib
 from copy import deepcopy
 
-from safetensors import SafetensorError, safe_open
-
+from ..checksum import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
 from ..mla import is_latent, leaves
 from .table import Patch
 
 CACHE = "mlx_lm.models.cache"
-
-# The checksum of a saved latent cache, in the file's metadata: CRC-32 of
-# the file's data (every tensor's bytes, after the header). The data does
-# not depend on the metadata, so it is known before the file is written
-# (``DataChecksum``), and the file is written once.
-CHECKSUM = "mlx_lm_mla_crc32"
-
-
-class CorruptCacheFile(ValueError):
-    """A prompt cache file that cannot be what it claims to be."""
-
-
-class DataChecksum(io.RawIOBase):
-    """A sink for the bytes of a safetensors file (an 8-byte little-endian
-    header length, the header, then the data) that keeps the CRC-32 of its
-    data. ``mx.save_safetensors`` can write into it, so a file's checksum is
-    known before the file is written, without holding its bytes."""
-
-    def __init__(self):
-        self.crc, self.position, self.prefix, self.header = 0, 0, b"", None
-
-    def writable(self):
-        return True
-
-    def tell(self):
-        return self.position
-
-    def write(self, data):
-        view = memoryview(data).cast("B")
-        written = len(view)
-        self.position += written
-        if self.header is None:  # the length of the header comes first
-            taken = 8 - len(self.prefix)
-            self.prefix, view = self.prefix + bytes(view[:taken]), view[taken:]
-            if len(self.prefix) < 8:
-                return written
-            self.header = int.from_bytes(self.prefix, "little")
-        skipped = min(self.header, len(view))
-        self.header -= skipped
-        self.crc = zlib.crc32(view[skipped:], self.crc)
-        return written
-
-    def value(self):
-        return f"crc32:{self.crc:08x}"
-
-
-def check_cache_file(path):
-    """Checks that a ``.safetensors`` prompt cache file is whole, with the
-    safetensors library (a readable header, every tensor's bytes exactly
-    inside the file), and, where the file has a checksum (latent caches
-    saved with the package), the right checksum. Older MLX reads past the
-    end of a truncated file without an error."""
-    path = os.fspath(path)
-    try:
-        with safe_open(path, framework="numpy") as f:
-            metadata = f.metadata() or {}
-    except SafetensorError as e:
-        raise CorruptCacheFile(
-            f"prompt cache file {path} is truncated or corrupt (unreadable header "
-            f"or data): {e}"
-        )
-    # Saved inside the caller's metadata, which save_prompt_cache nests.
-    expected = [v for k, v in metadata.items() if k.rpartition(".")[2] == CHECKSUM]
-    if not expected:
-        return
-    found = DataChecksum()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            found.write(chunk)
-    if expected != [found.value()]:
-        raise CorruptCacheFile(
-            f"prompt cache file {path} is corrupt: its checksum does not match "
-            "its contents (the file changed after it was saved)"
-        )
 
 
 # mlx before 0.32.4 cannot write a zero-size array, and mlx-lm 0.31's DSA
@@ -178,17 +101,11 @@ def table():
     ]
 
 
-def add_checksum(save, cache, metadata):
-    """Puts into ``metadata`` the CRC-32 of the data ``save`` (a
-    ``save_prompt_cache``) writes for ``cache``, read from its own serialization."""
-    checksum = DataChecksum()
-    save(checksum, cache, metadata)
-    metadata[CHECKSUM] = checksum.value()
-
-
 def checked_save(original):
-    """``save_prompt_cache`` that stores a checksum with a latent cache, and
-    writes a cache holding zero-size arrays (see ``EMPTY``)."""
+    """``save_prompt_cache`` that stores a checksum with a latent cache
+    (``checksum.py``; one the caller's metadata holds already, made by
+    ``add_checksum`` with this function, is kept), and writes a cache
+    holding zero-size arrays (see ``EMPTY``)."""
 
     def save_prompt_cache(file_name, cache, *args, **kwargs):
         layers, empty = [], {}
@@ -203,7 +120,7 @@ def checked_save(original):
         metadata = dict((args[0] if args else kwargs.get("metadata")) or {})
         if empty:
             metadata[EMPTY] = json.dumps(empty)
-        if latent:
+        if latent and CHECKSUM not in metadata:
             add_checksum(original, layers, metadata)
         original(file_name, layers, metadata)
 

@@ -53,7 +53,9 @@ def table():
         Patch(CACHE, "LRUPromptCache.insert_cache", "wrap", disk.insert_to_disk,
               feature="prompt caches on disk"),
         Patch(SERVER, "run", "wrap", disk.with_tier, feature="prompt caches on disk"),
-        Patch(SERVER, "main", "wrap", disk.with_flags, feature="prompt caches on disk"),
+        # main() makes its parser through this module global: the tier's flags join it.
+        Patch(SERVER, "argparse", "set", disk.server_argparse,
+              needs=(f"{SERVER}.argparse",), feature="prompt caches on disk"),
         # The loop is supervised only where the open requests can be tracked.
         Patch(SERVER, "ResponseGenerator._next_request", "wrap", recovery.tracked_next_request,
               needs=_LOOP, feature="recovery after a failure"),

@@ -9,8 +9,8 @@ class Patch:
     """``module.target`` (``"Class.attribute"`` or ``"function"``) replaced.
 
     how: ``wrap``: by ``make(original)``; ``classmethod``: the classmethod's
-    function by ``make(function)``; ``set``: by ``make(None)``, where the
-    attribute may not exist yet; ``rebind``: a function by ``make(original)``,
+    function by ``make(function)``; ``set``: by ``make(original)``, where
+    the attribute may not exist yet (None) or is not a function; ``rebind``: a function by ``make(original)``,
     wherever mlx-lm bound it by name (``from ... import``) too; ``unknown``:
     nothing, a target known not to be readable (named in missing() as is).
     needs: the private names (``contract.PRIVATE`` labels) it relies on.

@@ -1,0 +1,102 @@
+"""The checksum of the package's prompt cache files: the ones its
+``save_prompt_cache`` writes for a latent cache (``patches/files.py``) and
+the disk tier's (``disk/``). It sits below both.
+
+A file's checksum is one metadata entry, ``mlx_lm_mla_crc32``:
+``file-crc32:`` and the CRC-32 of every byte of the file (its header
+included) with the checksum's own eight digits read as zeros. A save is
+run once into a sink that keeps nothing to learn it (``add_checksum``), so
+the file is written once, and its size is known before it is written.
+"""
+
+import io
+import os
+import zlib
+
+from safetensors import SafetensorError, safe_open
+
+CHECKSUM = "mlx_lm_mla_crc32"
+_FORM = "file-crc32:"
+_BLANK = _FORM + "0" * 8  # the value while the checksum is computed
+# Files saved before the header was covered: a CRC-32 of the data only.
+_DATA_FORM = "crc32:"
+
+
+class CorruptCacheFile(ValueError):
+    """A prompt cache file that cannot be what it claims to be."""
+
+
+class _Sink(io.RawIOBase):
+    """Counts and checksums what is written to it, keeping nothing."""
+
+    def __init__(self):
+        self.crc, self.size = 0, 0
+
+    def writable(self):
+        return True
+
+    def tell(self):
+        return self.size
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return len(view)
+
+
+def add_checksum(save, cache, metadata):
+    """Puts into ``metadata`` the checksum of the file that ``save`` (a
+    ``save_prompt_cache``) writes for ``cache`` with it. Returns the size of
+    that file in bytes."""
+    metadata[CHECKSUM] = _BLANK
+    sink = _Sink()
+    save(sink, cache, metadata)
+    metadata[CHECKSUM] = f"{_FORM}{sink.crc:08x}"
+    return sink.size
+
+
+def check_cache_file(path):
+    """Checks that a ``.safetensors`` prompt cache file is whole, with the
+    safetensors library (a readable header, every tensor's bytes exactly
+    inside the file), and, where the file has a checksum, that it matches.
+    Older MLX reads past the end of a truncated file without an error."""
+    path = os.fspath(path)
+    try:
+        with safe_open(path, framework="numpy") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise CorruptCacheFile(
+            f"prompt cache file {path} is truncated or corrupt (unreadable header "
+            f"or data): {e}"
+        )
+    # Saved inside the caller's metadata, which save_prompt_cache nests.
+    found = [v for k, v in metadata.items() if k.rpartition(".")[2] == CHECKSUM]
+    if not found:
+        return
+    value = found[0]
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header = f.read(int.from_bytes(head, "little"))
+        crc = _crc_before_data(value, len(found), head, header)
+        while crc is not None and (chunk := f.read(1 << 24)):
+            crc = zlib.crc32(chunk, crc)
+    form = _FORM if value.startswith(_FORM) else _DATA_FORM
+    if crc is None or f"{form}{crc:08x}" != value:
+        raise CorruptCacheFile(
+            f"prompt cache file {path} is corrupt: its checksum does not match "
+            "its contents (the file changed after it was saved)"
+        )
+
+
+def _crc_before_data(value, count, head, header):
+    """The CRC-32 of what precedes the data, as ``value``'s form counts it,
+    or None where the header cannot hold that checksum."""
+    quoted = f'"{value}"'.encode()
+    if count != 1:
+        return None
+    if value.startswith(_DATA_FORM):
+        return 0
+    if not value.startswith(_FORM) or header.count(quoted) != 1:
+        return None
+    return zlib.crc32(head + header.replace(quoted, f'"{_BLANK}"'.encode()))

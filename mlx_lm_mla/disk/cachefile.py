@@ -1,0 +1,135 @@
+"""One prompt cache file of the disk tier: mlx-lm's own
+``save_prompt_cache`` format (safetensors) with the package's checksum of
+the whole file (``checksum.py``) and the file's own record in its metadata:
+what it holds (the model, the settings, its tokens), enough to index it
+again from the file alone."""
+
+import base64
+import copy
+import json
+import os
+
+from safetensors import SafetensorError, safe_open
+
+from ..checksum import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
+
+RECORD = "mlx_lm_mla_disk"  # the file's record, in its metadata
+
+
+def snapshot(cache):
+    """Copies of a cache's layers holding its state as evaluated, contiguous
+    arrays, so the writer thread only writes bytes: it computes nothing
+    (MLX streams belong to the thread that made them) and never sees an
+    array the server changes later. Made on the server's generation thread;
+    the arrays are shared, not copied, where they are contiguous already."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    layers = []
+    for layer in cache:
+        state = tree_map(
+            lambda x: mx.contiguous(x) if isinstance(x, mx.array) else x, layer.state
+        )
+        mx.eval([x for _, x in tree_flatten(state) if isinstance(x, mx.array)])
+        frozen = copy.copy(layer)
+        frozen.state = state
+        layers.append(frozen)
+    return layers
+
+
+def make_record(model, model_digest, cache_digest, settings, tokens, trimmable):
+    """The record of a file: ``tokens`` as little-endian int32 bytes."""
+    return {
+        "model": model,
+        "model_digest": model_digest,
+        "cache_digest": cache_digest,
+        "settings": settings,
+        "tokens": tokens_text(tokens),
+        "trimmable": bool(trimmable),
+    }
+
+
+def tokens_text(tokens):
+    return base64.b64encode(tokens).decode()
+
+
+def record_tokens(record):
+    return base64.b64decode(record["tokens"], validate=True)
+
+
+def prepare(cache, record):
+    """The metadata to write ``cache`` with and the size of its file, known
+    before it is written (the checksum's pass counts it)."""
+    import mlx_lm.models.cache as cache_module
+
+    metadata = {RECORD: json.dumps(record, sort_keys=True)}
+    size = add_checksum(cache_module.save_prompt_cache, cache, metadata)
+    return metadata, size
+
+
+def write(path, cache, metadata):
+    """Writes a new file at ``path`` (readable by the user only), flushed
+    to disk; removed again if the write fails."""
+    import mlx_lm.models.cache as cache_module
+
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            cache_module.save_prompt_cache(f, cache, metadata)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
+def read_record(path):
+    """The record in a file's header, read without its data. Raises
+    CorruptCacheFile where there is none that parses, or no checksum."""
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise CorruptCacheFile(f"truncated or corrupt: unreadable header or data ({e})")
+    # save_prompt_cache nests the caller's metadata under a prefix.
+    found = [v for k, v in metadata.items() if k.rpartition(".")[2] == RECORD]
+    if not any(k.rpartition(".")[2] == CHECKSUM for k in metadata):
+        found = []
+    try:
+        record = json.loads(found[0]) if len(found) == 1 else None
+        if not isinstance(record, dict):
+            raise ValueError
+        record_tokens(record)
+    except (ValueError, TypeError, KeyError):
+        raise CorruptCacheFile(
+            "not a file of the disk tier (no record that reads, or no checksum)"
+        )
+    return record
+
+
+def read(path, expected):
+    """The cache in the file at ``path``, after checking that its record is
+    ``expected`` (digests and tokens) and the whole file its checksum.
+    Raises CorruptCacheFile naming what does not fit."""
+    import mlx_lm.models.cache as cache_module
+
+    record = read_record(path)
+    for key, why in (
+        ("model_digest", "another model's files (weights, config or tokenizer)"),
+        (
+            "cache_digest",
+            "other cache settings (kv-bits, group size, quantized-kv-start) "
+            "or another mlx-lm",
+        ),
+        ("tokens", "other tokens than its index entry"),
+    ):
+        if record.get(key) != expected[key]:
+            raise CorruptCacheFile(f"the file holds a cache of {why}")
+    if not hasattr(cache_module.load_prompt_cache, "mlx_lm_mla_original"):
+        check_cache_file(path)  # the package's load_prompt_cache checks it itself
+    try:
+        return cache_module.load_prompt_cache(os.fspath(path))
+    except CorruptCacheFile:
+        raise
+    except Exception as e:  # a layout this mlx-lm cannot read
+        raise CorruptCacheFile(f"mlx-lm cannot load it ({type(e).__name__}: {e})")

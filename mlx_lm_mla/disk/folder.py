@@ -1,0 +1,196 @@
+"""The tier's own folder, ``DIR/mlx-lm-mla-prompt-caches``: created with a
+marker naming its format, the only place the tier writes. In it the tier
+touches only names of its own forms (``is_cache_name``, ``temp_owner``,
+``lock_owner``, its index); anything else there is left alone.
+
+Each process that uses the folder holds a lock (``flock``) on a file named
+for a random id of its own, for as long as it lives: its temporary files
+carry that id, so they are known to be a live process's or a dead one's
+whatever PIDs later processes get (a container's PID 1 is every run's)."""
+
+import contextlib
+import fcntl
+import json
+import os
+import stat
+import string
+import uuid
+from pathlib import Path
+
+from .fingerprint import FORMAT
+
+SUBFOLDER = "mlx-lm-mla-prompt-caches"
+MARKER = "mlx-lm-mla-caches.json"
+INDEX = "index.sqlite"
+SUFFIX = ".safetensors"
+_TEMP, _LOCK = "tmp-", "live-"
+_ID = 32  # hex digits of a process id and of a cache file's name
+
+
+class NotOurs(Exception):
+    """A folder the tier cannot use, and why."""
+
+
+def _hex(text, n):
+    return len(text) == n and all(c in string.hexdigits[:16] for c in text)
+
+
+def cache_name(digest):
+    return f"{digest[:_ID]}{SUFFIX}"
+
+
+def is_cache_name(name):
+    """Whether ``name`` is a plain file name of the tier's cache files."""
+    return name.endswith(SUFFIX) and _hex(name[: -len(SUFFIX)], _ID)
+
+
+def temp_name(owner):
+    return f"{_TEMP}{owner}-{uuid.uuid4().hex}{SUFFIX}"
+
+
+def temp_owner(name):
+    """The process id a temporary file of the tier carries, or None."""
+    if not (name.startswith(_TEMP) and name.endswith(SUFFIX)):
+        return None
+    owner, _, rest = name[len(_TEMP) : -len(SUFFIX)].partition("-")
+    return owner if _hex(owner, _ID) and _hex(rest, _ID) else None
+
+
+def lock_owner(name):
+    owner = name[len(_LOCK) : -len(".lock")]
+    return (
+        owner
+        if name.startswith(_LOCK) and name.endswith(".lock") and _hex(owner, _ID)
+        else None
+    )
+
+
+def is_regular(path):
+    """Whether ``path`` is a regular file (not a link, a folder or a device)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _marker_text():
+    return (
+        json.dumps(
+            {
+                "format": FORMAT,
+                "what": "prompt caches of mlx-lm-mla's disk tier "
+                "(--prompt-cache-dir); `mlx-lm-mla cache-dir clear DIR` empties it",
+            }
+        )
+        + "\n"
+    )
+
+
+def _read_marker(path):
+    try:
+        return json.loads(path.read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def open_folder(directory, create=True):
+    """The tier's folder in ``directory``, created (with ``directory``
+    where it is not there, mode 0700) and marked as the tier's. Raises
+    NotOurs, naming why, where it is not the tier's or cannot be used.
+    With ``create`` false, nothing is made."""
+    directory = Path(directory).expanduser().absolute()
+    folder = directory / SUBFOLDER
+    if directory.exists() and not directory.is_dir():
+        raise NotOurs(f"{directory} is not a directory")
+    try:
+        if create:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir(mode=0o700)
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        raise NotOurs(f"{folder} does not exist")
+    except OSError as e:
+        raise NotOurs(f"cannot make {folder}: {e.strerror or e}")
+    if not stat.S_ISDIR(mode):
+        raise NotOurs(
+            f"{folder} is not a directory of the tier; move it or choose another folder"
+        )
+    marker = folder / MARKER
+    found = _read_marker(marker)
+    if found is None and create and set(os.listdir(folder)) <= {MARKER}:
+        # Empty, or marked by a start that was cut short: nothing to lose.
+        _write_marker(marker)
+        found = _read_marker(marker)
+    if found is None:
+        raise NotOurs(
+            f"{folder} has no marker of the tier ({MARKER}), so what it holds "
+            "is not the tier's; move it or choose another folder"
+        )
+    if found != FORMAT:
+        raise NotOurs(
+            f"{folder} holds prompt caches of another version of "
+            f"mlx-lm-mla (format {found}, this one reads {FORMAT}); "
+            "delete that folder or choose another"
+        )
+    if create and not os.access(folder, os.W_OK | os.X_OK):
+        raise NotOurs(f"{folder} is not writable")
+    return folder
+
+
+def _write_marker(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return  # another process marked it at the same moment
+    with os.fdopen(fd, "w") as f:
+        f.write(_marker_text())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def maintenance(folder):
+    """Held while a process sweeps or repairs the folder: one at a time."""
+    fd = os.open(Path(folder) / MARKER, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class Presence:
+    """This process's lock on the folder: a file named for a random id,
+    locked for as long as the process holds it (or lives). Made during
+    ``maintenance``, so no sweep sees it before it is locked."""
+
+    def __init__(self, folder):
+        self.id = uuid.uuid4().hex
+        self.path = Path(folder) / f"{_LOCK}{self.id}.lock"
+        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def release(self):
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self._fd)
+            self._fd = None
+
+
+def alive(folder, owner):
+    """Whether the process with id ``owner`` still holds the folder."""
+    try:
+        fd = os.open(Path(folder) / f"{_LOCK}{owner}.lock", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the lock just taken
+    return False
