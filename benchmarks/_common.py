@@ -12,6 +12,7 @@ here, so each benchmark installs (or not) explicitly and measures this tree.
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -150,6 +151,7 @@ def write_json(path, name, args, payload, started):
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": name,
+        "command": " ".join(["python", f"benchmarks/{name}.py", *map(shlex.quote, sys.argv[1:])]),
         "versions": versions(),
         "git": git_state(),
         "args": vars(args),

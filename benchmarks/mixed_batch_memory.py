@@ -11,6 +11,7 @@ bfloat16), 4-bit groups of 64: exact figures (``nbytes``), not timings.
 """
 
 import argparse
+import time
 
 import _common  # noqa: F401 (this tree's mlx_lm_mla first)
 import mlx.core as mx
@@ -45,15 +46,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--json", default=None, help="default: benchmarks/results/mixed_batch_memory.json")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     mlx_lm_mla.install()
     exact = held(args.rows, args.tokens, 0)[1]
-    print(f"{args.rows} rows of {args.tokens} tokens, one MLA layer (x{GLM['layers']} for the model)")
-    print("| rows quantized | cache | MiB per layer | against all exact |")
-    print("|---|---|---|---|")
+    rows = []
     for q in range(args.rows + 1):
         name, n = held(args.rows, args.tokens, q)
-        print(f"| {q} of {args.rows} | `{name}` | {n / 2**20:.2f} | {n / exact:.2f} |")
+        rows.append(dict(quantized=q, cls=name, bytes=n, bytes_mib=n / 2**20, ratio=n / exact))
+    print(f"{args.rows} rows of {args.tokens} tokens, one MLA layer (x{GLM['layers']} for the model)\n")
+    _common.table(rows, [("quantized", "rows quantized", None), ("cls", "cache", None),
+                         ("bytes_mib", "MiB per layer", "{:.2f}"), ("ratio", "against all exact", "{:.2f}")])
+    path = _common.write_json(args.json, "mixed_batch_memory", args, {"rows": rows}, started)
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""The measured figures the docs quote, rendered from the benchmarks' JSON.
+
+Every benchmark writes ``benchmarks/results/NAME.json`` (git-ignored). The
+runs the docs quote are kept in ``benchmarks/figures/NAME.json``
+(committed), and each quoted table sits in a doc between two markers:
+
+    <!-- figures: NAME [TABLE] -->
+    | ... |
+    <!-- /figures -->
+
+which hold this script's rendering of that JSON. ``tests/test_figures.py``
+checks every marked table against its JSON.
+
+    python benchmarks/figures.py keep NAME [PATH]   # a run's JSON into figures/
+    python benchmarks/figures.py                    # rewrite the marked tables
+"""
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "benchmarks" / "figures"
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"<!-- figures: (\w+)(?: (\w+))? -->\n(.*?)<!-- /figures -->", re.S)
+MIB = 2**20
+
+
+def rows_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
+
+
+def run_line(data):
+    v = data["versions"]
+    return (
+        f"Run: {data['git']['commit']}, mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, {v['device']}, "
+        f"{v['machine']}; `{data['command']}`.\n"
+    )
+
+
+VARIANTS = {"stock": "stock bf16", "ours": "bf16", "ours8": "8-bit", "ours4": "4-bit"}
+
+
+def decode_speed(data, table=None):
+    """Whole-model decode (default) or one layer's attention (``attention``)."""
+    if table == "attention":
+        header = ["context", "batch", "variant", "ms", "x stock", "floor MB", "GB/s"]
+        rows = [
+            (f"{r['context']:,}", r["batch"], VARIANTS[r["variant"]], f"{r['ms']:.1f}",
+             f"{r['speed']:.2f}", f"{r['floor_mb']:.1f}", f"{r['gb_per_s']:.2f}")
+            for r in data["attention_rows"]
+        ]
+    else:
+        header = ["context", "batch", "variant", "tokens/s", "x stock", "transient MiB/layer", "target"]
+        rows = [
+            (f"{r['context']:,}", r["batch"], VARIANTS[r["variant"]], f"{r['tokens_per_s']:.2f}",
+             f"{r['ratio']:.2f}", f"{r['transient_mib']:.1f}",
+             f">= {r['target']:.1f}: {'met' if r['met'] else 'missed'}" if "target" in r else "-")
+            for r in data["decode_rows"]
+        ]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def peak_memory(data, table=None):
+    header = ["variant", "peak", "cache", "transient", "decode transient", "target", "result"]
+    rows = []
+    for r in data["rows"]:
+        per = {k: (None if v is None else v / MIB) for k, v in r["per_layer"].items()}
+        fmt = lambda x: "-" if x is None or r["error"] else f"{x:.1f}"  # noqa: E731
+        target = "-" if r["met"] is None else ("met" if r["met"] else "missed")
+        result = r["error"] or f"`{', '.join(r['classes'])}`"
+        rows.append((r["variant"], fmt(per["peak"]), fmt(per["cache"]), fmt(per["transient"]),
+                     fmt(per["decode_transient"]), target, result))
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def mixed_batch_memory(data, table=None):
+    header = ["rows quantized", "cache", "MiB per layer", "against all exact"]
+    rows = [(f"{r['quantized']} of {data['args']['rows']}", f"`{r['cls']}`", f"{r['bytes'] / MIB:.2f}",
+             f"{r['ratio']:.2f}") for r in data["rows"]]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+RENDER = {"decode_speed": decode_speed, "peak_memory": peak_memory, "mixed_batch_memory": mixed_batch_memory}
+
+
+def render(name, table=None):
+    data = json.loads((FIGURES / f"{name}.json").read_text())
+    return RENDER[name](data, table)
+
+
+def blocks(text):
+    """(name, table, rendered text in the doc) of each marked block."""
+    return [(m.group(1), m.group(2), m.group(3)) for m in BLOCK.finditer(text)]
+
+
+def rewrite(path):
+    text = path.read_text(encoding="utf-8")
+
+    def fill(m):
+        return f"<!-- figures: {m.group(1)}{' ' + m.group(2) if m.group(2) else ''} -->\n{render(m.group(1), m.group(2))}<!-- /figures -->"
+
+    new = BLOCK.sub(fill, text)
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    keep = sub.add_parser("keep", help="copy a run's JSON into benchmarks/figures/")
+    keep.add_argument("name", choices=sorted(RENDER))
+    keep.add_argument("path", nargs="?", help="default: benchmarks/results/NAME.json")
+    args = p.parse_args(argv)
+    if args.command == "keep":
+        source = Path(args.path) if args.path else ROOT / "benchmarks" / "results" / f"{args.name}.json"
+        FIGURES.mkdir(exist_ok=True)
+        shutil.copyfile(source, FIGURES / f"{args.name}.json")
+    for doc in DOCS:
+        if rewrite(doc):
+            print(f"rewrote {doc.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
