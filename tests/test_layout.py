@@ -90,3 +90,37 @@ def test_no_class_is_made_with_type_and_no_file_is_searched_with_a_regex():
             names = [a.name for a in node.names] + [getattr(node, "module", None)]
             regex_in_files += [n for n in names if n in ("re", "struct")]
     assert fabricated == [] and regex_in_files == []
+
+
+def unit(name):
+    # A folder of the package (patches, guards, disk, ...) or a top module.
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+def test_folders_import_downward_only():
+    # No two folders (or top modules) import each other, directly or round about.
+    edges = {}
+    for name, targets in graph().items():
+        for target in targets:
+            if unit(target) != unit(name):
+                edges.setdefault(unit(name), set()).add(unit(target))
+
+    def reaches(start):
+        seen, todo = set(), [start]
+        while todo:
+            for target in edges.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        return seen
+
+    assert sorted(u for u in edges if u in reaches(u)) == []
+
+
+def test_no_two_modules_of_different_concerns_share_a_file_name():
+    names = {}
+    for name, path in modules().items():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(name)
+    assert {n: m for n, m in names.items() if len(m) > 1} == {}

@@ -1,4 +1,4 @@
-"""``python -m mlx_lm_mla.server``: mlx-lm's server, same flags, with the
+"""``python -m mlx_lm_mla.serve``: mlx-lm's server, same flags, with the
 fix active even where the start-up hook is off."""
 
 import sys
