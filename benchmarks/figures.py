@@ -84,7 +84,39 @@ def mixed_batch_memory(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
-RENDER = {"decode_speed": decode_speed, "peak_memory": peak_memory, "mixed_batch_memory": mixed_batch_memory}
+def bytes_per_token(data, table=None):
+    """Whole-model bytes per token at 4,096 tokens (default), the DSA models
+    (``dsa``) or each rank under mlx.launch (``ranks``)."""
+    if table == "dsa":
+        header = ["model", "latent", "latent bytes/token", "indexer", "total", "of unquantized"]
+        rows = [(r["model"], r["latent"].replace(" (stock)", ""), f"{r['latent_per_token']:,.0f}",
+                 f"{r['indexer_per_token']:,.0f}", f"{r['total_per_token']:,.0f}", f"{r['of_unquantized']:.3f}")
+                for r in data["dsa"]]
+    elif table == "ranks":
+        header = ["model", "cache", "parallel", "ranks", "layers per rank", "largest rank", "smallest rank"]
+        rows = [(r["model"], r["cache"], r["parallel"], r["ranks"], r["layers_per_rank"],
+                 f"{r['largest_rank']:,.0f}", f"{r['smallest_rank']:,.0f}") for r in data["per_rank"]]
+    else:
+        header = ["model", "cache", "bytes/token", "floor", "held / floor", "layout"]
+        rows = [(r["model"], r["cache"], f"{r['bytes_per_token']:,.0f}", f"{r['floor_per_token']:,.0f}",
+                 f"{r['held_ratio']:.4f}", r["note"]) for r in data["single"] if r["tokens"] == 4096]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def fidelity(data, table=None):
+    header = ["model", "positions read", "8-bit median", "8-bit max", "4-bit median", "4-bit max"]
+    rows = [(f"`{r['model']}`", r["read"], f"{r['median8']:.4f}", f"{r['max8']:.4f}",
+             f"{r['median4']:.4f}", f"{r['max4']:.4f}") for r in data["rows"]]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+RENDER = {
+    "bytes_per_token": bytes_per_token,
+    "decode_speed": decode_speed,
+    "fidelity": fidelity,
+    "mixed_batch_memory": mixed_batch_memory,
+    "peak_memory": peak_memory,
+}
 
 
 def render(name, table=None):
