@@ -12,7 +12,7 @@ which hold this script's rendering of that JSON. ``tests/test_figures.py``
 checks every marked table against its JSON.
 
     python benchmarks/figures.py keep NAME [PATH]   # a run's JSON into figures/
-    python benchmarks/figures.py                    # rewrite the marked tables
+    python benchmarks/figures.py                    # then rewrite the marked tables
 """
 
 import argparse
@@ -120,8 +120,10 @@ RENDER = {
 
 
 def render(name, table=None):
-    data = json.loads((FIGURES / f"{name}.json").read_text())
-    return RENDER[name](data, table)
+    path = FIGURES / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"{path.relative_to(ROOT)} is not kept: run the benchmark, then figures.py keep {name}")
+    return RENDER[name](json.loads(path.read_text()), table)
 
 
 def blocks(text):
@@ -152,6 +154,7 @@ def main(argv=None):
         source = Path(args.path) if args.path else ROOT / "benchmarks" / "results" / f"{args.name}.json"
         FIGURES.mkdir(exist_ok=True)
         shutil.copyfile(source, FIGURES / f"{args.name}.json")
+        return
     for doc in DOCS:
         if rewrite(doc):
             print(f"rewrote {doc.relative_to(ROOT)}")
