@@ -1,12 +1,14 @@
-"""The upstream form of the fix: ``upstream/mla-latent-cache.patch``, applied
-to an mlx-lm tree by ``upstream/apply.py``, and tested on its own.
+"""The upstream form of the fix: the patch series in ``upstream/``, applied to
+an mlx-lm tree by ``upstream/apply.py`` in order, and tested on its own.
 
 The tree is the installed mlx-lm release, copied as its wheel unpacked it
-(no ``tests/``, so only the change's ``mlx_lm/`` part applies; CI applies the
-whole patch to the release's sdist and runs mlx-lm's suite on it). The checks
-in ``upstream_form/`` then run against the patched tree alone, with this
-package switched off. Where the installed release is not the one the patch is
-written for, only the refusals are tested.
+(no ``tests/``, so only the patches' ``mlx_lm/`` parts apply; CI applies the
+whole series to the release's sdist and runs mlx-lm's suite on it). The
+checks in ``upstream_form/`` then run against the patched tree alone, with
+this package switched off: those of the fix (``check_fix.py``) on a tree with
+patch 1 alone, and with both patches; those of the batch variant
+(``check_batch.py``) on a tree with both. Where the installed release is not
+the one the series is written for, only the refusals are tested.
 """
 
 import os
@@ -32,6 +34,13 @@ def release_tree(dest, version=None):
     return dest
 
 
+def run_apply(*args):
+    return subprocess.run(
+        [sys.executable, str(HERE.parent / "upstream/apply.py"), *map(str, args)],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
 def test_a_tree_that_is_not_mlx_lm_is_refused(tmp_path):
     with pytest.raises(apply.UnfitTree, match="not an mlx-lm source tree"):
         apply.apply(tmp_path)
@@ -46,16 +55,24 @@ def test_another_release_is_refused_by_name_and_left_as_it_was(tmp_path):
 
 
 def test_the_command_refuses_an_unknown_tree_clearly(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(HERE.parent / "upstream/apply.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )
+    out = run_apply(tmp_path)
     assert out.returncode == 2 and "is not an mlx-lm source tree" in out.stderr
 
 
-@pytest.mark.parametrize("under", ["mlx_lm", "tests"])
-def test_the_change_stays_within_the_budget(under):
-    assert 0 < apply.added_lines()[under] <= apply.BUDGET[under]
+def test_a_patch_outside_the_series_is_refused_by_number(tmp_path):
+    out = run_apply(release_tree(tmp_path), "--patches", "3")
+    assert out.returncode == 2 and "the series has patches 1 to 2, not 3" in out.stderr
+
+
+@pytest.mark.parametrize("patch", apply.SERIES, ids=lambda p: p.name)
+def test_each_patch_stays_within_its_budget(patch):
+    added = apply.added_lines(patch)
+    assert set(added) == {"mlx_lm", "tests"} and all(added.values())
+    assert apply.over_budget(patch) == {}
+
+
+def test_the_fix_adds_at_most_200_lines_under_mlx_lm():
+    assert apply.added_lines(apply.SERIES[0])["mlx_lm"] <= 200
 
 
 def test_the_hub_stand_in_loads_offline(tmp_path):
@@ -75,49 +92,82 @@ def test_the_hub_stand_in_loads_offline(tmp_path):
 if TARGET:
 
     @pytest.fixture(scope="module")
-    def patched(tmp_path_factory):
-        tree = release_tree(tmp_path_factory.mktemp("upstream"))
+    def fix_only(tmp_path_factory):
+        tree = release_tree(tmp_path_factory.mktemp("fix"))
+        return tree, apply.apply(tree, patches=1)
+
+    @pytest.fixture(scope="module")
+    def series(tmp_path_factory):
+        tree = release_tree(tmp_path_factory.mktemp("series"))
         return tree, apply.apply(tree)
 
-    def test_it_changes_the_cache_module_generate_server_and_every_mla_model(patched):
+    def names(tree, changed):
+        return {p.relative_to(tree / "mlx_lm").as_posix() for p in changed}
+
+    def test_the_fix_changes_the_cache_module_generate_and_every_mla_model(fix_only):
         from mlx_lm_mla import mla
 
-        tree, changed = patched
-        names = {p.relative_to(tree / "mlx_lm").as_posix() for p in changed}
+        tree, changed = fix_only
         models = mla.model_types(tree / "mlx_lm" / "models")
-        # glm_moe_dsa and longcat_flash_ngram's relatives inherit their caches.
+        # glm_moe_dsa takes DeepSeek-V3.2's caches: it defines none of its own.
         own = {f"models/{t}.py" for t in models} - {"models/glm_moe_dsa.py"}
-        assert own <= names
-        assert names - own == {"models/cache.py", "models/base.py", "generate.py", "server.py"}
+        assert own <= names(*fix_only)
+        assert names(*fix_only) - own == {"models/cache.py", "models/base.py", "generate.py"}
 
-    def test_a_patched_tree_is_refused(patched):
-        with pytest.raises(apply.UnfitTree, match="has the change already"):
-            apply.apply(patched[0])
+    def test_the_batch_variant_adds_the_server_and_nothing_outside(fix_only, series):
+        assert names(*series) - names(*fix_only) == {"server.py"}
+
+    def test_a_tree_with_the_fix_takes_the_batch_variant(tmp_path, series):
+        tree = release_tree(tmp_path)
+        apply.apply(tree, patches=1)
+        changed = apply.apply(tree)
+        assert names(tree, changed) == {"models/cache.py", "generate.py", "server.py"}
+        for name in names(*series):
+            assert (tree / "mlx_lm" / name).read_text() == (series[0] / "mlx_lm" / name).read_text()
+        with pytest.raises(apply.UnfitTree, match=r"has patch 1 .* and patch 2 .* already"):
+            apply.apply(tree, patches=1)
+
+    def test_a_patched_tree_is_refused(fix_only):
+        with pytest.raises(apply.UnfitTree, match=r"has patch 1 \(1-mla-latent-cache.patch\) already"):
+            apply.apply(fix_only[0], patches=1)
 
     def test_a_tree_whose_files_differ_from_the_release_is_refused_by_file(tmp_path):
         tree = release_tree(tmp_path)
         base = tree / "mlx_lm/models/base.py"
         base.write_text(base.read_text().replace('hasattr(cache, "bits")', 'hasattr(cache, "bits") '))
         before = (tree / "mlx_lm/models/cache.py").read_text()
-        with pytest.raises(apply.UnfitTree, match=r"not mlx-lm .* as released: .*mlx_lm/models/base\.py"):
+        with pytest.raises(apply.UnfitTree, match=r"not mlx-lm .* as released: patch 1 .*mlx_lm/models/base\.py"):
+            apply.apply(tree)
+        assert (tree / "mlx_lm/models/cache.py").read_text() == before
+
+    def test_a_tree_that_fails_the_second_patch_is_left_without_the_first(tmp_path):
+        tree = release_tree(tmp_path)
+        server = tree / "mlx_lm/server.py"
+        server.write_text(server.read_text().replace("and self.cli_args.kv_bits is None", "and not self.cli_args.kv_bits"))
+        before = (tree / "mlx_lm/models/cache.py").read_text()
+        with pytest.raises(apply.UnfitTree, match=r"as released: patch 2 .*mlx_lm/server\.py"):
             apply.apply(tree)
         assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
     def test_the_command_prints_the_files_it_changed(tmp_path):
         tree = release_tree(tmp_path)
-        out = subprocess.run(
-            [sys.executable, str(HERE.parent / "upstream/apply.py"), str(tree)],
-            capture_output=True, text=True, timeout=120,
-        )
+        out = run_apply(tree, "--patches", "1")
         assert out.returncode == 0, out.stderr
         assert str(tree / "mlx_lm/models/cache.py") in out.stdout.splitlines()
+        assert str(tree / "mlx_lm/server.py") not in out.stdout.splitlines()
 
-    def test_the_patched_tree_passes_on_its_own(patched, tmp_path):
-        env = {**os.environ, "MLX_LM_MLA_DISABLE": "1", "PYTHONPATH": str(patched[0])}
+    def checks(tree, tmp_path, *files):
+        env = {**os.environ, "MLX_LM_MLA_DISABLE": "1", "PYTHONPATH": str(tree)}
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=check_*.py",
-             str(HERE / "upstream_form")],
+             *(str(HERE / "upstream_form" / f) for f in files)],
             capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
         )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
         assert " passed" in out.stdout.splitlines()[-1]
+
+    def test_the_fix_alone_passes_its_checks(fix_only, tmp_path):
+        checks(fix_only[0], tmp_path, "check_fix.py")
+
+    def test_the_series_passes_the_checks_of_both_patches(series, tmp_path):
+        checks(series[0], tmp_path, "check_fix.py", "check_batch.py")
