@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import sys
@@ -210,6 +211,7 @@ def write_json(path, name, args, payload, started, vers):
               "before the change ran the old code", file=sys.stderr)
     doc = {
         "benchmark": name,
+        "command": " ".join(["python", f"benchmarks/{name}.py", *map(shlex.quote, sys.argv[1:])]),
         "versions": vers,
         "args": vars(args),
         "seconds": round(time.perf_counter() - started, 1),

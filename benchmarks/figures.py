@@ -35,9 +35,11 @@ def rows_table(header, rows):
 
 def run_line(data):
     v = data["versions"]
+    commit = data.get("git", {}).get("commit") or v.get("worktree_head")
+    device = v.get("device", "Device(cpu, 0)")
     return (
-        f"Run: {data['git']['commit']}, mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, {v['device']}, "
-        f"{v['machine']}; `{data['command']}`.\n"
+        f"Run: {commit}, mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, {device}, {v['machine']}, "
+        f"load average {data.get('load_average_1min_at_end', 0):.1f} at its end; `{data['command']}`.\n"
     )
 
 
@@ -110,7 +112,32 @@ def fidelity(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def disk_ttft(data, table=None):
+    header = ["model", "prompt chars", "prompt tokens", "restored tokens", "cold TTFT s", "warm TTFT s",
+              "warm / cold", "disk B/token/layer"]
+    rows = [(e["variant"], f"{e['size']:,}", f"{e['prompt_tokens_warm']:,}", f"{e['cached_tokens_warm']:,}",
+             f"{e['ttft_cold']:.2f}", f"{e['ttft_warm']:.2f}", f"{100 * e['warm_over_cold']:.1f} %",
+             f"{e['bytes_per_token_per_layer']:,.0f}") for e in data["results"]]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def disk_lookup(data, table=None):
+    """Lookup time against rows (default), or the TTFT of an unrelated prompt (``ttft``)."""
+    if table == "ttft":
+        header = ["server", "TTFT s (median)", "requests", "cached tokens, most"]
+        rows = [(e["variant"], f"{e['ttft_median_s']:.3f}", e["n"], e["max_cached_tokens"]) for e in data["ttft"]]
+    else:
+        header = ["rows", "tokens / row", "index MB", "lookup ms: unrelated", "system prompt",
+                  "half a row", "check at start s"]
+        rows = [(f"{e['rows']:,}", f"{e['tokens_per_row']:,}", f"{e['index_mb']:.0f}",
+                 f"{e['lookup_ms_unrelated']:.2f}", f"{e['lookup_ms_system_prompt']:.2f}",
+                 f"{e['lookup_ms_half_a_row']:.2f}", f"{e['check_at_start_s']:.2f}") for e in data["lookup"]]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
 RENDER = {
+    "disk_lookup": disk_lookup,
+    "disk_ttft": disk_ttft,
     "bytes_per_token": bytes_per_token,
     "decode_speed": decode_speed,
     "fidelity": fidelity,
