@@ -2,7 +2,7 @@
 
 A GLM-4.7-Flash shaped model with the real attention widths (kv_lora_rank
 512, qk_rope_head_dim 64, 20 heads, qk_nope_head_dim 192, v_head_dim 256),
-few layers (2) and small MLP widths, random weights (``mlx_lm_mla.testing.tiny``).
+few layers (2) and small MLP widths, random weights (``mlx_lm_mla.tiny``).
 The layers are dense (``first_k_dense_replace=99``) so the model runs in
 bfloat16, the real model dtype: on the MLX CPU backend the MoE layers
 need float32 (``GatherMM`` only supports float32); ``--moe --dtype float32``

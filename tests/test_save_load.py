@@ -12,7 +12,7 @@ import pytest
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.patches.files import CHECKSUM, CorruptCacheFile
 

@@ -59,7 +59,7 @@ def test_the_change_stays_within_the_budget(under):
 
 
 def test_the_hub_stand_in_loads_offline(tmp_path):
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
 
     tiny.write_hub_stand_in(tmp_path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}

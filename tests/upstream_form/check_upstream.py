@@ -23,7 +23,7 @@ from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cac
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving import Server  # noqa: E402  (tests/serving.py)
