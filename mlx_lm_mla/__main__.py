@@ -6,7 +6,7 @@ COMMANDS = {
     "repro": ("mlx_lm_mla.repro", "replay the reported failure: stock mlx-lm against the fix"),
     "serve": ("mlx_lm_mla.server", "run mlx_lm.server with the fix (same flags)"),
     "lmstudio": ("mlx_lm_mla.lmstudio", "install|status|uninstall the fix in LM Studio's MLX engine"),
-    "tiny-model": ("mlx_lm_mla.tiny", "write a tiny random MLA model to try the fix on"),
+    "tiny-model": ("mlx_lm_mla.tiny", "write a tiny random MLA model to try it on"),
 }
 
 

@@ -55,7 +55,9 @@ def test_the_model_is_as_small_as_the_readme_says(written):
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
-def test_every_mla_model_type_generates_past_quantized_kv_start(tmp_path, model_type):
+def test_every_mla_model_type_generates_past_quantized_kv_start(
+    tmp_path, model_type, installed
+):
     path = tiny.save_demo_model(tmp_path / model_type, model_type)
     model, tokenizer = mlx_lm.load(str(path))
     no_end = make_logits_processors(logit_bias={tiny.EOS_TOKEN_ID: -100.0})
@@ -82,7 +84,8 @@ def test_a_folder_with_files_is_refused_and_left_alone(tmp_path, capsys):
 
 
 def test_an_unknown_model_type_is_refused_by_name(tmp_path, capsys):
-    assert "invalid choice: 'llama'" in refused(capsys, tmp_path / "m", "--model-type", "llama")
+    said = refused(capsys, tmp_path / "m", "--model-type", "llama")
+    assert "invalid choice: 'llama'" in said
     assert not (tmp_path / "m").exists()
 
 
@@ -92,7 +95,8 @@ def test_an_unknown_model_type_is_refused_by_name(tmp_path, capsys):
 def try_it():
     """The README's "Try it in a minute": (its text, the commands before the
     server's, the server's, the client's)."""
-    section = README.read_text().split("## Try it in a minute", 1)[1].split("\n## ", 1)[0]
+    section = README.read_text().split("## Try it in a minute", 1)[1]
+    section = section.split("\n## ", 1)[0]
     lines = re.search(r"```\n(.*?)```", section, re.S).group(1).splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("mlx_lm.server "))
     client = [line for line in lines[at + 1 :] if not line.startswith("#")]
@@ -191,7 +195,7 @@ def test_the_readme_try_it_without_the_fix_fails_as_it_says(readme_run):
 def test_the_readme_says_which_server_has_no_kv_bits(tmp_path):
     section, _, server, _ = try_it()
     said = re.search(r"\(mlx-lm ([\d.]+): no `--kv-bits`\)", " ".join(section.split()))
-    assert said and said.group(1) == mlx_lm.__version__
+    assert said and mlx_lm.__version__.startswith(said.group(1) + ".")
     scripts = sysconfig.get_paths()["scripts"]
     env = {**os.environ, "PATH": f"{scripts}:{os.environ['PATH']}"}
     out = shell(server, tmp_path, env, timeout=120)
