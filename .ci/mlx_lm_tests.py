@@ -35,7 +35,7 @@ from pathlib import Path
 
 import mlx_lm
 
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 TESTS = ["test_models.py", "test_prompt_cache.py", "test_generate.py", "test_server.py"]
 ROOT = Path(__file__).resolve().parent.parent

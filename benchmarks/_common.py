@@ -66,7 +66,7 @@ GLM_5 = dict(
 def glm_attention_model(layers, dtype, hidden_size=256, q_lora_rank=64, moe=False):
     """A glm4_moe_lite with GLM-4.7-Flash's attention widths, small MLPs and
     random weights (dense layers unless moe: the CPU runs MoE in float32 only)."""
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
 
     shape = GLM_4_7_FLASH
     overrides = dict(

@@ -154,7 +154,7 @@ def write_large_file(model_path, folder, tokens):
 
     from mlx_lm_mla.disk.fingerprint import cache_settings
     from mlx_lm_mla.disk.tier import DiskTier
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
     from prefix_ttft import base_text
 
     model, tokenizer = tiny.load(model_path)
@@ -186,7 +186,7 @@ def ttfts(args, tmp):
     import mlx.core as mx
 
     import mlx_lm_mla
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
 
     mlx_lm_mla.install()
     model = tiny.save_model(

@@ -79,7 +79,7 @@ def main():
     p.add_argument("--json", default=None, help=f"default benchmarks/results/{NAME}.json")
     args = p.parse_args()
 
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
     import mlx.core as mx
 
     started = time.perf_counter()

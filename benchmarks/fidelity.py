@@ -23,7 +23,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 
 def decode_logits(model, tokens, prefill, bits):

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_lm
 import mlx_lm_mla
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 
 class RopeQuantizedCache(QuantizedLatentCache):

@@ -38,7 +38,7 @@ from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cac
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlx_lm_mla.testing import tiny  # noqa: E402
+from mlx_lm_mla import tiny  # noqa: E402
 
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
 FIX = hasattr(cache, "MLALatentCache")

@@ -7,6 +7,7 @@ COMMANDS = {
     "serve": ("mlx_lm_mla.serve", "run mlx_lm.server with the fix (same flags)"),
     "lmstudio": ("mlx_lm_mla.lmstudio", "install|status|uninstall the fix in LM Studio's MLX engine"),
     "cache-dir": ("mlx_lm_mla.disk.command", "stats|clear DIR: the prompt caches on disk (--prompt-cache-dir)"),
+    "tiny-model": ("mlx_lm_mla.tiny", "write a tiny random MLA model to try it on"),
 }
 
 

@@ -20,10 +20,6 @@ import time
 
 import mlx.core as mx
 
-# Wide enough that stock quantization (group size 64) reaches the model code.
-MODEL_OVERRIDES = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
-
-
 def serve_requests(
     fixed,
     requests=12,
@@ -38,14 +34,14 @@ def serve_requests(
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     from . import patches
-    from .testing import tiny
+    from . import tiny
 
     if fixed:
         patches.install()
     else:
         patches.uninstall()
 
-    model, config = tiny.build_model("glm4_moe_lite", **MODEL_OVERRIDES)
+    model, config = tiny.build_model("glm4_moe_lite", **tiny.DEMO_WIDTHS)
     vocab = config["vocab_size"]
     prefix = [(7 * i + 3) % vocab for i in range(prefix_tokens)]
     # One live cache reused across requests, as LM Studio's engine does.
@@ -109,7 +105,9 @@ def serve_requests(
 
 def _stock_in_subprocess(args):
     env = dict(os.environ, MLX_LM_MLA_DISABLE="1")
-    cmd = [sys.executable, "-m", "mlx_lm_mla", "repro", "--json", "--stock"]
+    # An isolated interpreter (LM Studio's layers) runs its child isolated too.
+    isolated = ["-I"] if sys.flags.isolated else []
+    cmd = [sys.executable, *isolated, "-m", "mlx_lm_mla", "repro", "--json", "--stock"]
     cmd += ["--requests", str(args.requests), "--kv-bits", str(args.kv_bits)]
     cmd += ["--quantized-kv-start", str(args.quantized_kv_start)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -3,6 +3,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
+from mlx_lm_mla.activate import disabled
 from mlx_lm_mla.mla import leaves  # layer caches, CacheList members too
 
 LATENT = 64
@@ -28,6 +29,20 @@ def filled(cache, L, B=1, seed=0, dtype=mx.float32):
 def latent_kv(L, seed=0, dtype=mx.float32):
     """A stock KVCache holding L tokens in the MLA latent layout."""
     return filled(KVCache(), L, seed=seed, dtype=dtype)[0]
+
+
+def pytest_configure(config):
+    # .ci/run runs the soaks at one leg (-m soak); the README's command does not.
+    config.addinivalue_line("markers", "soak: a long soak test")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def as_in_a_new_process():
+    """Each test file starts as a new process would: the fix on, as the start-up
+    hook turns it on. pytest-xdist deals the files to its workers in any order,
+    after files that may have left it off."""
+    if not disabled():
+        mlx_lm_mla.install()
 
 
 @pytest.fixture

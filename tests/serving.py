@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 SYSTEM = (
     "You are a careful assistant that reasons step by step about code. "
@@ -19,11 +19,9 @@ SYSTEM = (
 
 
 def save_served_model(path):
-    """The report's set-up: a tiny GLM-4.7-Flash with 6-bit weights. The rope
-    width is 64 so stock KV quantization (group 64) reaches the model code."""
-    return tiny.save_model(
-        path, "glm4_moe_lite", quantize_bits=6, kv_lora_rank=128, qk_rope_head_dim=64
-    )
+    """The report's set-up: a tiny GLM-4.7-Flash with 6-bit weights, as
+    ``mlx-lm-mla tiny-model`` writes it."""
+    return tiny.save_demo_model(path)
 
 
 def server_supports(flag):

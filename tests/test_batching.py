@@ -10,7 +10,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 PROMPTS = [
     [(3 * i + 5) % 190 + 5 for i in range(n)] for n in (5, 17, 9, 12)

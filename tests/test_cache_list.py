@@ -16,7 +16,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 from mlx_lm_mla.checksum import CHECKSUM
 from mlx_lm_mla.patches import mlx_lm_version
 

@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_lm_mla
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 from engine_sequence import SequentialEngine, chat
 from test_batching import drain, serving_kv_bits

@@ -10,7 +10,7 @@ import pytest
 import mlx_lm.models.cache as cache_module
 
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import leaves
 
 MODELS = {

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+from mlx_lm_mla.__main__ import COMMANDS
+
 
 def run(*args):
     return subprocess.run(
@@ -25,7 +27,7 @@ def test_serve_takes_mlx_lm_server_flags():
 
 def test_unknown_command_prints_usage():
     out = run("frobnicate")
-    usage = "usage: mlx-lm-mla {repro,serve,lmstudio,cache-dir}"
+    usage = "usage: mlx-lm-mla {" + ",".join(COMMANDS) + "}"
     assert out.returncode == 2 and usage in out.stderr
 
 

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 import mlx_lm_mla
 from mlx_lm_mla import decode, mla, patches
 from mlx_lm_mla.cache import _PackedLatent
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(150)]
 PREFILL = 70

@@ -951,7 +951,7 @@ def test_a_restored_cache_continues_as_the_one_stored(
     from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
 
     path = tiny.save_model(tmp_path / model_type, model_type)
     model, _ = tiny.load(path)

@@ -15,7 +15,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import leaves
 
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(144)]

@@ -101,6 +101,7 @@ def odd_then_sampled(port, i, field, value):
     return None
 
 
+@pytest.mark.soak
 def test_odd_values_in_every_field_harm_no_stream_and_the_next_sampled_request_is_served(model_path):
     cases = [(field, v) for field in FIELDS for v in VALUES]
     started = time.perf_counter()

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache, mla
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(40)]
 SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its RoPE key

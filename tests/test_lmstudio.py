@@ -38,7 +38,7 @@ import pytest
 
 from mlx_lm_mla import __version__, lmstudio
 from mlx_lm_mla.lmstudio import installer
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -302,6 +302,15 @@ def test_install_writes_the_runtime_and_no_test_kit(layout, installed):
     package = site(layout.app) / "mlx_lm_mla"
     assert (package / "patches" / "__init__.py").is_file() and (package / "guards" / "reuse.py").is_file()
     assert not (package / "testing").exists()
+
+
+def test_repro_runs_in_the_layer_on_its_interpreter_alone(layout, installed):
+    out = in_layer(layout, "-m", "mlx_lm_mla", "repro", "--json", "--requests", "4")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    stock, fixed = result["stock"], result["fixed"]
+    assert stock["mlx_lm"] == fixed["mlx_lm"] == metadata.version("mlx-lm")
+    assert stock["errors"] == 3 and SWAPAXES in stock["first_error"]
+    assert fixed["served"] == 4 and fixed["cache_class"] == "QuantizedLatentCache"
 
 
 def test_install_again_changes_nothing(layout, installed, cli):

@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.mla import latent_modules
 

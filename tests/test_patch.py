@@ -11,7 +11,7 @@ import pytest
 
 import mlx_lm_mla
 from mlx_lm_mla import QuantizedLatentCache, patches
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 
 

@@ -117,14 +117,14 @@ def test_the_docs_name_only_modules_that_exist(doc):
 
 
 def test_the_module_check_catches_an_old_name():
-    assert named_but_missing("see `mlx_lm_mla/patch.py` and `mlx_lm_mla.tiny`") == [
+    assert named_but_missing("see `mlx_lm_mla/patch.py` and `mlx_lm_mla.testing.tiny`") == [
         "mlx_lm_mla/patch.py",
-        "mlx_lm_mla.tiny",
+        "mlx_lm_mla.testing.tiny",
     ]
 
 
 def test_mlx_lm_mla_help_lists_the_commands():
     out = run("-m", "mlx_lm_mla", "--help", timeout=60)
     assert out.returncode == 0, out.stderr
-    for command in ("repro", "serve", "lmstudio"):
+    for command in ("repro", "serve", "lmstudio", "tiny-model"):
         assert re.search(rf"^\s+{re.escape(command)}\s", out.stdout, re.M), command

@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 START = 48  # quantized_kv_start
 # Rope width 64, so stock quantization (group size 64) gets to the model code.

@@ -13,7 +13,7 @@ import pytest
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
 

@@ -60,6 +60,7 @@ def serve_sequentially(server, n, max_tokens):
 
 if KV_BITS:  # defined only where the server has the flag, not skipped
 
+    @pytest.mark.soak
     @pytest.mark.parametrize("bits", KV_BITS)
     def test_sixty_sequential_requests_with_kv_quantization_all_succeed(bits, model_path):
         with Server(model_path, "--decode-concurrency", 4, *kv_flags(bits)) as server:

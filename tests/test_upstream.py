@@ -76,7 +76,7 @@ def test_the_fix_adds_at_most_200_lines_under_mlx_lm():
 
 
 def test_the_hub_stand_in_loads_offline(tmp_path):
-    from mlx_lm_mla.testing import tiny
+    from mlx_lm_mla import tiny
 
     tiny.write_hub_stand_in(tmp_path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}

@@ -54,7 +54,7 @@ def transitions(model_type: str) -> list[tuple[str, str]]:
     from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import make_prompt_cache
 
-    from . import tiny
+    from .. import tiny
 
     model, _ = tiny.build_model(model_type)
     cache = make_prompt_cache(model)

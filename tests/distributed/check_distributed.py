@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 from conftest import leaves
 from serving import RequestFailed, Server, cached_tokens, four_clients, questions, save_served_model, server_supports

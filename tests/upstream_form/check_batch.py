@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving import Server  # noqa: E402  (tests/serving.py)

@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla.testing import tiny
+from mlx_lm_mla import tiny
 
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(23)]

@@ -1,7 +1,8 @@
 """Tiny random-weight models of the real mlx-lm MLA architectures.
 
-Tests and the demo need every Multi-head Latent Attention variant that mlx-lm
-ships, but the real checkpoints are huge and need a download. This module
+``repro``, ``mlx-lm-mla tiny-model DIR``, the tests and the benchmarks need
+every Multi-head Latent Attention variant that mlx-lm ships, but the real
+checkpoints are huge and need a download. This module
 builds the installed mlx-lm model classes from small configs (hidden size 64,
 2-4 layers, vocab 256) with seeded random weights, and writes them to disk in
 the layout ``mlx_lm.load`` reads, with a local character-level tokenizer.
@@ -20,6 +21,7 @@ values. Example::
     model, tokenizer = load(path)
 """
 
+import argparse
 import contextlib
 import copy
 import importlib.util
@@ -35,7 +37,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model
 from tokenizers import Tokenizer, decoders, models
 
-from .. import mla
+from . import mla
 
 VOCAB_SIZE = 256
 
@@ -50,6 +52,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+# The demo's widths (repro, tiny-model): wide enough that stock KV quantization
+# (groups of 64) reaches the model code, where stock fails as reported.
+DEMO_WIDTHS = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
+DEMO_WEIGHT_BITS = 6
 
 # The latent widths every tiny MLA config shares.
 _MLA_DIMS = {
@@ -573,6 +580,16 @@ def save_model(
     return path
 
 
+def save_demo_model(path, model_type="glm4_moe_lite", seed=0):
+    """The report's set-up in small: an MLA model at the demo's widths with
+    6-bit weights, its tokenizer and chat template, for ``mlx_lm.server``."""
+    widths = dict(DEMO_WIDTHS)
+    if "index_head_dim" in tiny_config(model_type):
+        # The sparse-attention indexer ropes that many of its own head's values.
+        widths["index_head_dim"] = 2 * widths["qk_rope_head_dim"]
+    return save_model(path, model_type, seed, quantize_bits=DEMO_WEIGHT_BITS, **widths)
+
+
 def write_hub_stand_in(hub_dir, repo_id="mlx-community/Qwen1.5-0.5B-Chat-4bit"):
     """A tiny random 4-bit Qwen2 in a Hugging Face hub cache, under repo_id,
     so tests that load that model run offline (``HF_HUB_OFFLINE=1`` with
@@ -623,3 +640,28 @@ def write_tokenizer(path) -> None:
 def load(path):
     """Load a saved tiny model with the real ``mlx_lm.load``."""
     return mlx_lm.load(str(path))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="mlx-lm-mla tiny-model",
+        description="Write a tiny random-weight MLA model, with a tokenizer and "
+        "chat template, that mlx_lm.load and mlx_lm.server load offline.",
+    )
+    parser.add_argument("dir", help="a new or empty folder")
+    parser.add_argument(
+        "--model-type", default="glm4_moe_lite", choices=MLA_MODEL_TYPES
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = Path(args.dir)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        # Never write over someone's files.
+        parser.error(f"{path} exists and is not an empty folder")
+    save_demo_model(path, args.model_type, args.seed)
+    print(
+        f"wrote a tiny random {args.model_type} ({DEMO_WEIGHT_BITS}-bit weights) "
+        f"to {path}\nserve it: mlx_lm.server --model {path} --kv-bits 4 "
+        "--quantized-kv-start 64"
+    )
+    return 0

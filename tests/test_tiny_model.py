@@ -1,0 +1,202 @@
+"""``mlx-lm-mla tiny-model DIR``, and the README's "Try it in a minute": its
+commands run as written, on a real ``mlx_lm.server``, with and without the fix."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+import mlx_lm
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlx_lm_mla import tiny
+from serving import free_port, server_supports
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SWAPAXES = "AttributeError: 'list' object has no attribute 'swapaxes'"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """``mlx-lm-mla tiny-model DIR`` run once: (DIR, its output)."""
+    path = tmp_path_factory.mktemp("tiny") / "glm"
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm_mla", "tiny-model", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return path, out.stdout
+
+
+def test_it_writes_a_model_mlx_lm_load_reads_with_its_chat_template(written):
+    path, stdout = written
+    assert f"to {path}" in stdout
+    model, tokenizer = mlx_lm.load(str(path))
+    assert model.model_type == "glm4_moe_lite"
+    assert model.args.kv_lora_rank == tiny.DEMO_WIDTHS["kv_lora_rank"]
+    assert model.args.qk_rope_head_dim == tiny.DEMO_WIDTHS["qk_rope_head_dim"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == "<|user|>\nHi<|endoftext|>\n<|assistant|>\n"
+
+
+def test_the_model_is_as_small_as_the_readme_says(written):
+    size = sum(p.stat().st_size for p in written[0].iterdir()) / 1000
+    said = int(re.search(r"\((\d+) KB, no download\)", README.read_text()).group(1))
+    assert abs(size - said) <= 0.05 * said
+
+
+@pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
+def test_every_mla_model_type_generates_past_quantized_kv_start(
+    tmp_path, model_type, installed
+):
+    path = tiny.save_demo_model(tmp_path / model_type, model_type)
+    model, tokenizer = mlx_lm.load(str(path))
+    no_end = make_logits_processors(logit_bias={tiny.EOS_TOKEN_ID: -100.0})
+    *_, last = mlx_lm.stream_generate(
+        model, tokenizer, "Hello", max_tokens=24, kv_bits=4, quantized_kv_start=16,
+        logits_processors=no_end,
+    )
+    assert last.prompt_tokens + last.generation_tokens > 16
+    assert last.generation_tokens == 24 and last.finish_reason == "length"
+
+
+def refused(capsys, *args):
+    """What ``mlx-lm-mla tiny-model ARGS`` says when it refuses them."""
+    with pytest.raises(SystemExit) as exit:
+        tiny.main([str(a) for a in args])
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_folder_with_files_is_refused_and_left_alone(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "exists and is not an empty folder" in refused(capsys, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_an_unknown_model_type_is_refused_by_name(tmp_path, capsys):
+    said = refused(capsys, tmp_path / "m", "--model-type", "llama")
+    assert "invalid choice: 'llama'" in said
+    assert not (tmp_path / "m").exists()
+
+
+# --- the README -------------------------------------------------------------------
+
+
+def try_it():
+    """The README's "Try it in a minute": (its text, the commands before the
+    server's, the server's, the client's)."""
+    section = README.read_text().split("## Try it in a minute", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    lines = re.search(r"```\n(.*?)```", section, re.S).group(1).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("mlx_lm.server "))
+    client = [line for line in lines[at + 1 :] if not line.startswith("#")]
+    return section, "\n".join(lines[:at]), lines[at], "\n".join(client)
+
+
+def shell(script, cwd, env, **kw):
+    return subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, **kw
+    )
+
+
+def wait_until_up(proc, port, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError("the server did not start")
+
+
+def answers(stdout):
+    """The JSON replies curl printed, one after the other."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while at < len(stdout):
+        value, at = decoder.raw_decode(stdout, at)
+        found.append(value)
+    return found
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory):
+    """Runs the README's commands in a folder of their own; the port is a
+    free one instead of 8080, so that runs side by side do not meet."""
+    section, setup, server, client = try_it()
+    folder = tmp_path_factory.mktemp("try-it")
+    scripts = sysconfig.get_paths()["scripts"]
+    env = {k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"}
+    env["PATH"] = f"{scripts}:{env['PATH']}"
+    made = shell(setup, folder, env, timeout=300)
+    assert made.returncode == 0, made.stderr
+
+    def run(prefix=""):
+        """(the client's output, the server's log) for the server command
+        started with prefix."""
+        port, log = str(free_port()), folder / f"server{prefix.strip()}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                ["bash", "-c", prefix + server.replace("8080", port)], cwd=folder,
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        try:
+            wait_until_up(proc, port)
+            replies = shell(client.replace("8080", port), folder, env, timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        return replies, log.read_text()
+
+    run.section = " ".join(section.split())  # as read, whatever the line breaks
+    return run
+
+
+KV_BITS = server_supports("--kv-bits")
+
+
+@pytest.mark.skipif(not KV_BITS, reason="this mlx_lm.server has no --kv-bits")
+def test_the_readme_try_it_serves_two_turns_past_quantized_kv_start(readme_run):
+    replies, log = readme_run()
+    assert replies.returncode == 0, replies.stderr
+    first, second = answers(replies.stdout)
+    start = int(re.search(r"--quantized-kv-start (\d+)", try_it()[2]).group(1))
+    said = int(re.search(r'"cached_tokens": (\d+)', readme_run.section).group(1))
+    for reply in (first, second):
+        assert reply["usage"]["total_tokens"] > start
+        assert reply["usage"]["completion_tokens"] == 100
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == said
+    assert "swapaxes" not in log
+
+
+@pytest.mark.skipif(not KV_BITS, reason="this mlx_lm.server has no --kv-bits")
+def test_the_readme_try_it_without_the_fix_fails_as_it_says(readme_run):
+    replies, log = readme_run("MLX_LM_MLA_DISABLE=1 ")
+    assert "MLX_LM_MLA_DISABLE=1 mlx_lm.server" in readme_run.section
+    assert replies.stdout == ""
+    empty = "curl: (52) Empty reply from server"
+    assert replies.stderr.count(empty) == 2 and empty in readme_run.section
+    assert SWAPAXES in log and SWAPAXES in readme_run.section
+
+
+@pytest.mark.skipif(KV_BITS, reason="this mlx_lm.server has --kv-bits")
+def test_the_readme_says_which_server_has_no_kv_bits(tmp_path):
+    section, _, server, _ = try_it()
+    said = re.search(r"\(mlx-lm ([\d.]+): no `--kv-bits`\)", " ".join(section.split()))
+    assert said and mlx_lm.__version__.startswith(said.group(1) + ".")
+    scripts = sysconfig.get_paths()["scripts"]
+    env = {**os.environ, "PATH": f"{scripts}:{os.environ['PATH']}"}
+    out = shell(server, tmp_path, env, timeout=120)
+    assert out.returncode == 2 and "unrecognized arguments: --kv-bits" in out.stderr
