@@ -13,6 +13,7 @@ feature that relies on it is off as a whole, never half on.
 """
 
 import ast
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -362,16 +363,18 @@ def _resolve(module, dotted):
     return getattr(owner, "mlx_lm_mla_original", owner)
 
 
-def _declared(node, name):
-    # Whether a class's source assigns self.<name> or declares a field <name>.
+@functools.lru_cache(maxsize=None)
+def _declared(node):
+    # What a class's source assigns as self.<name> or declares as a field.
     fields = {
         n.target.id
         for n in node.body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
     }
-    return name in fields or name in self_fields(node)
+    return fields | self_fields(node)
 
 
+@functools.lru_cache(maxsize=None)
 def _strings(node):
     return {
         n.value
@@ -456,7 +459,7 @@ def problem(row):
             return "not a property" + (" with a setter" if expects.settable else "")
         return None
     node = definition(cls)
-    if node is None or not _declared(node, name):
+    if node is None or name not in _declared(node):
         return "not found"
     if expects.of:
         kind = _resolve(row.module, expects.of)
@@ -473,7 +476,8 @@ def signature_problem(replacement, original):
     """Why ``replacement`` cannot stand for ``original``, from their
     parameters, or None. Its named positional parameters lead the original's
     (without ``*args`` it takes no more); without ``**kwargs`` it takes every
-    keyword-only one; a default it gives is the original's."""
+    keyword-only one and the original has no ``*args`` or ``**kwargs``; a
+    default it gives is the original's."""
     mine, theirs = _params(replacement), _params(original)
     if theirs is None:
         return "its parameters cannot be read"
@@ -489,11 +493,15 @@ def signature_problem(replacement, original):
     for p, q in zip(lead, positional):
         if p.default is not p.empty and p.default != q.default:
             return f"{q.name} defaults to {q.default!r}, not {p.default!r}"
-    if _P.VAR_KEYWORD not in kinds:
-        taken = {p.name for p in mine}
-        lacking = [
-            q.name for q in theirs if q.kind is q.KEYWORD_ONLY and q.name not in taken
-        ]
-        if lacking:
-            return f"takes {', '.join(lacking)}, its replacement does not"
+    taken = {p.name for p in mine}
+    lacking = [
+        q.name
+        for q in theirs
+        if q.kind is q.VAR_POSITIONAL and _P.VAR_POSITIONAL not in kinds
+        or q.kind in (q.KEYWORD_ONLY, q.VAR_KEYWORD)
+        and _P.VAR_KEYWORD not in kinds
+        and q.name not in taken
+    ]
+    if lacking:
+        return f"takes {', '.join(lacking)}, its replacement does not"
     return None
