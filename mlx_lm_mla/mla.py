@@ -20,6 +20,7 @@ through its model before it quantizes it.
 """
 
 import ast
+import functools
 import importlib
 import inspect
 import textwrap
@@ -50,6 +51,34 @@ def self_fields(tree):
     }
 
 
+_DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@functools.lru_cache(maxsize=None)
+def source_tree(path):
+    """The parsed source of a file, parsed once: the MLA scan and the
+    contract's checks (``patches/contract.py``) read the same modules."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def definition(obj):
+    """The ``class`` or ``def`` of a class or function in its module's
+    source, found by its qualified name; None where it has none there."""
+    try:
+        node = source_tree(inspect.getsourcefile(obj))
+    except (TypeError, OSError, SyntaxError):
+        return None
+    for part in getattr(obj, "__qualname__", "<none>").split("."):
+        node = next(
+            (n for n in node.body if isinstance(n, _DEFS) and n.name == part), None
+        )
+        if node is None:
+            return None
+    return node
+
+
+
 def _written(call, name):
     """The caches ``call`` (a ``__call__`` def) writes through its argument
     ``name``: None for ``name.update_and_fetch``, i for ``name[i].update_and_fetch``."""
@@ -74,8 +103,12 @@ def _written(call, name):
 def scan_source(source):
     """{class name: the cache it writes} for the MLA attention classes of a
     model module's source, and the names of those it cannot tell."""
+    return _scan(ast.parse(source))
+
+
+def _scan(tree):
     found, unclear = {}, []
-    for cls in ast.parse(source).body:
+    for cls in tree.body:
         if not isinstance(cls, ast.ClassDef):
             continue
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
@@ -98,7 +131,7 @@ def find_attention(models_dir):
         source = path.read_text(encoding="utf-8")
         if not all(f in source for f in _LATENT_FIELDS):  # cheap before parsing
             continue
-        classes, unknown = scan_source(source)
+        classes, unknown = _scan(source_tree(str(path)))
         found += [(path.stem, name, member) for name, member in classes.items()]
         unclear += [(path.stem, name) for name in unknown]
     return found, unclear
@@ -123,11 +156,13 @@ def model_types(models_dir):
 def calls(cls, name):
     """Whether ``cls.__call__`` calls a function by the bare ``name`` (a
     global of its module)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    call = next((f for f in tree.body[0].body if isinstance(f, ast.FunctionDef) and f.name == "__call__"), None)
+    node = definition(cls)
+    if node is None:  # a class made at run time: read its own source
+        try:
+            node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        except (OSError, TypeError, SyntaxError):
+            return False
+    call = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__call__"), None)
     return call is not None and any(
         isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
         for node in ast.walk(call)

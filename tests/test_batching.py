@@ -110,7 +110,9 @@ def batchable_with_kv_bits(model, bits=4, start=12):
 @contextlib.contextmanager
 def serving_kv_bits(bits=4, start=12):
     """The settings the server's generation thread runs its BatchGenerators
-    with under --kv-bits."""
+    with under --kv-bits, and the server's patches, which quantize them."""
+    import mlx_lm.server  # noqa: F401 (its patches are applied with it)
+
     from mlx_lm_mla.patches.generate import SERVER_KV, KVSettings
 
     token = SERVER_KV.set(KVSettings(group_size=64, bits=bits, start=start))

@@ -1,5 +1,6 @@
 """Guards on the cross-request path (LRUPromptCache), for any model type."""
 
+from argparse import Namespace
 from queue import Queue
 
 import mlx.core as mx
@@ -118,6 +119,8 @@ class FailingProvider:
     """A model provider whose default model cannot load: every start of the
     generation loop fails the same way."""
 
+    cli_args = Namespace()  # as mlx-lm's, which has the server's command line
+
     def __init__(self):
         self.tries = 0
 
@@ -127,6 +130,8 @@ class FailingProvider:
 
 
 class LoadingProvider:
+    cli_args = Namespace()
+
     def load_default(self):
         pass
 

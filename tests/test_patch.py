@@ -101,39 +101,3 @@ def test_a_patch_whose_target_is_gone_is_named_and_warned_once(stock, monkeypatc
         warnings.simplefilter("error")
         mlx_lm_mla.install()  # no second warning
     assert patches.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
-
-
-def test_every_private_name_the_package_uses_is_as_expected_at_this_mlx_lm():
-    from mlx_lm_mla.patches import contract
-
-    assert {p.label: contract.problem(p) for p in contract.PRIVATE} == {p.label: None for p in contract.PRIVATE}
-
-
-def test_a_private_method_with_other_parameters_is_named_and_its_feature_is_off(stock, monkeypatch):
-    from mlx_lm.server import ResponseGenerator
-
-    monkeypatch.setattr(ResponseGenerator, "_tokenize", lambda self, request, tokenizer, args: None)
-    monkeypatch.setattr(patches, "_warned_missing", set())
-    with pytest.warns(RuntimeWarning, match=r"_tokenize.*switched off: request checks"):
-        mlx_lm_mla.install()
-    assert patches.missing() == ["mlx_lm.server.ResponseGenerator._tokenize"]
-    assert "mlx_lm.server.ResponseGenerator._tokenize" not in mlx_lm_mla.installed()
-
-
-def test_a_renamed_batch_attribute_turns_kv_bits_batching_off_loudly(stock, monkeypatch):
-    import mlx_lm.server  # noqa: F401 (its patches are applied with it)
-
-    generate = importlib.import_module("mlx_lm.generate")
-
-    class BatchGenerator(generate.BatchGenerator):  # keeps its batches under other names
-        def _next(self):
-            return super()._next()
-
-    monkeypatch.setattr(generate, "BatchGenerator", BatchGenerator)
-    monkeypatch.setattr(patches, "_warned_missing", set())
-    with pytest.warns(RuntimeWarning, match="switched off: --kv-bits batching of MLA models"):
-        mlx_lm_mla.install()
-    assert "mlx_lm.generate.BatchGenerator._prompt_batch" in patches.missing()
-    assert not {"mlx_lm.generate.BatchGenerator._next", "mlx_lm.server.ResponseGenerator._is_batchable"} & set(
-        mlx_lm_mla.installed()
-    )

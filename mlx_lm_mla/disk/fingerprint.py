@@ -70,6 +70,7 @@ def cache_settings(cli_args):
 
     # The package's latent caches are registered there while it is active.
     active = hasattr(cache_module, "QuantizedLatentCache")
+    # mlx-lm 0.31's server has no --kv-bits: its settings are None there.
     return {
         "format": FORMAT,
         "mlx_lm": mlx_lm.__version__,

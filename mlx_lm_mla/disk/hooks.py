@@ -152,10 +152,8 @@ def loaded_paths(key, cli_args):
         isinstance(key, (tuple, list)) and len(key) == 3 and key[0] == "default_model"
     ):
         return key
-    draft = (
-        getattr(cli_args, "draft_model", None) if key[2] == "default_model" else key[2]
-    )
-    return (cli_args.model, key[1] or getattr(cli_args, "adapter_path", None), draft)
+    draft = cli_args.draft_model if key[2] == "default_model" else key[2]
+    return (cli_args.model, key[1] or cli_args.adapter_path, draft)
 
 
 def open_tier(cli_args):
@@ -215,7 +213,7 @@ def with_tier(run):
         cli_args = model_provider.cli_args
         if getattr(cli_args, "prompt_cache_dir", None) is None:
             return run(host, port, model_provider, *args, **kwargs)
-        if getattr(model_provider, "is_distributed", False):
+        if model_provider.is_distributed:
             logger.warning(
                 "mlx-lm-mla: %s is not supported for a distributed server; "
                 "prompt caches stay in RAM",

@@ -12,6 +12,8 @@ from .state import REQUESTS, RequestState
 
 logger = logging.getLogger(__name__)
 
+SERVER = "mlx_lm.server"
+
 
 # A failure with no request open (a default model that cannot load) is
 # given this many tries in a row, backed off, before the thread ends the
@@ -77,7 +79,7 @@ def tracked_next_request(original):
             return request
         state = REQUESTS.get(request[1]) or RequestState()  # another rank's copy
         replies = Replies(request[0], state, _inflight(self))
-        replies.contexts = getattr(sys.modules.get(type(self).__module__), "GenerationContext", None)
+        replies.contexts = sys.modules[SERVER].GenerationContext
         replies.open.add(replies)
         return (replies, *request[1:])
 
@@ -120,7 +122,7 @@ def supervised_generate(original):
                 if self._stop:
                     return
                 if streak >= TRIES:
-                    if hasattr(self, "generation_available"):
+                    if hasattr(self, "generation_available"):  # mlx-lm 0.32 on
                         raise  # upstream marks the thread dead
                     return _refuse_all(self, error)
                 if streak:

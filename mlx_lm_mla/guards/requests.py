@@ -21,13 +21,13 @@ class BadRequest(ValueError):
 
 def request_problem(request, stop_words, logit_bias):
     """Why a request cannot be served, from the request alone, or None."""
-    kind = getattr(request, "request_type", None)
+    kind = request.request_type
     if kind == "text":
-        prompt = getattr(request, "prompt", None)
+        prompt = request.prompt
         if not isinstance(prompt, str) or not prompt:
             return "prompt must be a non-empty string"
     elif kind == "chat":
-        messages = getattr(request, "messages", None)
+        messages = request.messages
         if not isinstance(messages, list) or not messages:
             return "messages must be a non-empty list"
         if not all(
@@ -76,7 +76,7 @@ def max_tokens_limit(generator, prompt_tokens):
     except ValueError:
         logger.warning("mlx-lm-mla: MLX_LM_MLA_MAX_TOKENS is not an integer; using %d", CEILING)
         ceiling = CEILING
-    model = getattr(getattr(generator, "model_provider", None), "model", None)
+    model = generator.model_provider.model
     context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     if isinstance(context, int) and context - prompt_tokens < ceiling:
         return max(context - prompt_tokens, 0), (
@@ -117,10 +117,10 @@ def checked_tokenize(original, server):
         if not result[0]:
             raise BadRequest("prompt has no tokens")
         limit, why = max_tokens_limit(self, len(result[0]))
-        asked = getattr(args, "max_tokens", None)
+        asked = args.max_tokens
         if isinstance(asked, int) and asked > limit:
             raise BadRequest(f"max_tokens must be at most {limit}: {why}")
-        bias = getattr(getattr(args, "logits", None), "logit_bias", None)
+        bias = args.logits.logit_bias
         size = _vocabulary(self, tokenizer)
         if bias and size and max(bias) >= size:
             raise BadRequest(
@@ -147,7 +147,7 @@ def checked_tokenize(original, server):
 
 def _vocabulary(generator, tokenizer):
     # The logits' width: the model's vocabulary, else the tokenizer's.
-    model = getattr(getattr(generator, "model_provider", None), "model", None)
+    model = generator.model_provider.model
     size = getattr(getattr(model, "args", None), "vocab_size", None)
     if isinstance(size, int):
         return size
@@ -179,16 +179,14 @@ def guarded_completion(original):
     an ``error`` event when streaming (the headers went out already)."""
 
     def handle_completion(self, request, stop_words, *args, **kwargs):
-        problem = request_problem(
-            request, stop_words, getattr(self, "logit_bias", None)
-        )
-        where = non_finite(getattr(self, "body", None))
+        problem = request_problem(request, stop_words, self.logit_bias)
+        where = non_finite(self.body)
         if where:
             problem = f"{where} must be a finite number, not NaN or infinity"
         if problem:
             return _reply(self, 400, problem)
         state = REQUESTS.open(request)
-        body = getattr(self, "body", None)
+        body = self.body
         state.cache_prompt = not (isinstance(body, dict) and body.get("cache_prompt", True) is False)
         try:
             with cancellation.watch(self, state):
@@ -199,10 +197,11 @@ def guarded_completion(original):
             logger.warning("mlx-lm-mla: request failed: %s: %s", type(e).__name__, e)
             message = f"{type(e).__name__}: {e}"
             try:
+                # http.server makes the buffer at the first header it buffers.
                 if getattr(self, "_headers_buffer", None):
                     self._headers_buffer = []  # the 200 that was not sent
                     _reply(self, 500, message)
-                elif getattr(self, "stream", False):
+                elif self.stream:
                     self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
                     self.wfile.flush()
             except OSError:

@@ -8,13 +8,16 @@ files), ``generate`` (``mlx_lm.generate``) and ``server``
 never imports it does not load it).
 
 ``install()`` applies every row and returns what it patched; calling it
-again changes nothing. ``uninstall()`` puts every original back. A row is
-applied only where its target is there and the private names it needs
-(``contract.py``) are as expected; ``missing()`` names each one that is not,
-and a warning says so once, naming what is switched off.
+again changes nothing. ``uninstall()`` puts every original back. Each row
+belongs to a feature (``table.py``), applied all or none: only where every
+target is there and takes what its replacement takes, and every mlx-lm name
+the feature reads is as expected (``contract.py``). ``missing()`` names each
+one that is not; one log line (logger ``mlx_lm_mla``, WARNING) and a
+warning, once per name, say so, naming the features switched off.
 """
 
 import importlib
+import logging
 import sys
 import types
 import warnings
@@ -25,16 +28,20 @@ from packaging.version import Version
 from .. import importhook
 from .._version import MLX_LM_RANGE
 from . import contract
+from .table import EVERYTHING
 
 
 SERVER = "mlx_lm.server"
 
-_applied = []  # (owner, name, had_own_value, old_value, label), in order
+_applied = []  # (owner, name, had_own_value, old_value, label, feature), in order
 _missing = []  # labels of the targets and private names this mlx-lm lacks
 _off = []  # features switched off for it
 _server = []  # the mlx_lm.server module once its patches are applied
 _warned = False
 _warned_missing = set()
+_logged = 0  # how many missing names this install's log line listed
+
+logger = logging.getLogger("mlx_lm_mla")
 
 
 def mlx_lm_version():
@@ -52,13 +59,18 @@ def is_supported() -> bool:
 
 def installed():
     """Labels of the patches in force."""
-    return [p[-1] for p in _applied]
+    return [p[4] for p in _applied]
 
 
 def missing():
-    """What could not be patched: targets this mlx-lm lacks (renamed or
-    removed upstream) and private names that are not as expected."""
+    """What this mlx-lm lacks: targets that are gone or take other
+    parameters, and names of the contract that are not as expected."""
     return list(_missing)
+
+
+def features_on():
+    """The features in force."""
+    return list(dict.fromkeys(p[5] for p in _applied if p[5] is not None))
 
 
 def _miss(label):
@@ -66,7 +78,20 @@ def _miss(label):
         _missing.append(label)
 
 
-def _warn_missing():
+def _report():
+    """Says what is missing: one log line per install (and one more if the
+    server's patches find more), and a warning once per name."""
+    global _logged
+    import mlx_lm
+
+    if len(_missing) > _logged:
+        _logged = len(_missing)
+        logger.warning(
+            "mlx-lm-mla: mlx-lm %s lacks %s; switched off: %s",
+            mlx_lm.__version__,
+            ", ".join(_missing),
+            ", ".join(_off),
+        )
     new = [label for label in _missing if label not in _warned_missing]
     if new:
         _warned_missing.update(new)
@@ -79,13 +104,13 @@ def _warn_missing():
         )
 
 
-def set_attr(owner, name, value, label=None):
+def set_attr(owner, name, value, label=None, feature=None):
     """Sets ``owner.name``, recorded so that ``uninstall()`` puts it back."""
     if label is None:
         where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
         label = f"{where}.{name}"
     had = name in vars(owner)
-    _applied.append((owner, name, had, vars(owner).get(name), label))
+    _applied.append((owner, name, had, vars(owner).get(name), label, feature))
     setattr(owner, name, value)
 
 
@@ -98,49 +123,91 @@ def _owner(module, path):
     return owner
 
 
-_checked = {}  # private label: problem or None, per install
+_checked = {}  # label of a contract row: its problem or None, per install
 
 
-def _unmet(needs):
-    unmet = []
-    for label in needs:
-        if label not in _checked:
-            _checked[label] = contract.problem(contract.BY_LABEL[label])
-        if _checked[label] is not None:
-            unmet.append(label)
-    return unmet
+def broken_names(features):
+    """{feature: labels of the rows it relies on that do not hold}, for
+    ``features``; rows of a later mlx-lm than the installed one are skipped."""
+    broken = {}
+    for row in contract.NAMES:
+        relied = [f for f in row.features if f in features]
+        if relied and contract.applies(row):
+            if row.label not in _checked:
+                _checked[row.label] = contract.problem(row)
+            if _checked[row.label] is not None:
+                for feature in relied:
+                    broken.setdefault(feature, []).append(row.label)
+    return broken
 
 
-def apply(patch):
-    """Applies one row, or names in missing() why it cannot be."""
+def _plan(patch):
+    """(owner, name, original, replacement) for one row, or the label that
+    names why it cannot be applied (its target, absent or taking other
+    parameters than its replacement)."""
     if patch.how == "unknown":
-        _miss(patch.target)
-        if patch.feature and patch.feature not in _off:
-            _off.append(patch.feature)
-        return
+        return patch.target
     module = importlib.import_module(patch.module)
     path, _, name = patch.target.rpartition(".")
     owner = _owner(module, path)
     label = f"{patch.module}.{patch.target}"
-    unmet = _unmet(patch.needs)
     original = getattr(owner, name, None) if owner is not None else None
-    if unmet or owner is None or (patch.how != "set" and not callable(original)):
-        for gone in unmet or [label]:
-            _miss(gone)
-        if patch.feature and patch.feature not in _off:
-            _off.append(patch.feature)
-        return
+    if patch.how == "classmethod":
+        found = vars(owner).get(name) if isinstance(owner, type) else None
+        original = found.__func__ if isinstance(found, classmethod) else None
+    if owner is None or (patch.how != "set" and not callable(original)):
+        return label
+    replacement = patch.make(original)
+    if patch.how != "set" and contract.signature_problem(replacement, original):
+        return label
+    return owner, name, original, replacement
+
+
+def _apply(patch, planned):
+    owner, name, original, replacement = planned
+    # A target an earlier row of the table replaced is wrapped as it is now.
+    if patch.how == "classmethod":
+        current = vars(owner)[name].__func__
+    else:
+        current = getattr(owner, name, None)
+    if current is not original:
+        replacement = patch.make(current)
+    label = f"{patch.module}.{patch.target}"
     if patch.how in ("set", "wrap"):
-        set_attr(owner, name, patch.make(original), label)
+        set_attr(owner, name, replacement, label, patch.feature)
     elif patch.how == "classmethod":
-        set_attr(owner, name, classmethod(patch.make(vars(owner)[name].__func__)), label)
+        set_attr(owner, name, classmethod(replacement), label, patch.feature)
     elif patch.how == "rebind":
-        replacement = patch.make(original)
         for module_name, bound in list(sys.modules.items()):
-            if module_name.startswith("mlx_lm") and getattr(bound, name, None) is original:
-                set_attr(bound, name, replacement, f"{module_name}.{name}")
+            if module_name.startswith("mlx_lm") and getattr(bound, name, None) is current:
+                where = f"{module_name}.{name}"
+                set_attr(bound, name, replacement, where, patch.feature)
     else:
         raise ValueError(f"unknown patch kind {patch.how!r}")
+
+
+def apply_table(rows):
+    """Applies the rows of each feature all or none: a feature with a name
+    that does not hold (``contract.NAMES``) or a row that cannot be applied
+    is switched off as a whole, and what it lacks is named in missing()."""
+    broken = broken_names({p.feature for p in rows})
+    planned = []
+    for patch in rows:
+        if patch.feature in broken:
+            continue  # its replacement may read the names that are gone
+        found = _plan(patch)
+        if isinstance(found, str):
+            broken.setdefault(patch.feature, []).append(found)
+        else:
+            planned.append((patch, found))
+    for feature, labels in broken.items():
+        for label in labels:
+            _miss(label)
+        if feature not in _off:
+            _off.append(feature)
+    for patch, found in planned:
+        if patch.feature not in broken:
+            _apply(patch, found)
 
 
 def _install_server(server):
@@ -149,15 +216,14 @@ def _install_server(server):
     from . import server as server_patches
 
     _server.append(server)
-    for patch in server_patches.table():
-        apply(patch)
+    apply_table(server_patches.table())
 
 
 def server_imported(server):
     """Applies the server's patches once ``mlx_lm.server`` is imported."""
     if _applied and hasattr(server, "main"):
         _install_server(server)
-        _warn_missing()
+        _report()
 
 
 def install():
@@ -181,25 +247,34 @@ def install():
             RuntimeWarning,
             stacklevel=2,
         )
+    _checked.clear()
+    # The package's own modules subclass stock caches as they import.
+    gone = broken_names({EVERYTHING}).get(EVERYTHING)
+    if gone:
+        for label in gone:
+            _miss(label)
+        if EVERYTHING not in _off:
+            _off.append(EVERYTHING)
+        _report()
+        return installed()
     from . import files, generate, models, quantize
 
-    _checked.clear()
-    for patch in [*quantize.table(), *models.table(), *files.table(), *generate.table()]:
-        apply(patch)
+    apply_table([*quantize.table(), *models.table(), *files.table(), *generate.table()])
     importhook.after_import(SERVER, server_imported)
-    _warn_missing()
+    _report()
     return installed()
 
 
 def uninstall():
     """Restores everything ``install()`` changed. Returns what was restored."""
+    global _logged
     from ..mla import _FOUND, ATTENTION
 
     restored = []
     ATTENTION.clear()
     _FOUND.clear()
     while _applied:
-        owner, name, had, old, label = _applied.pop()
+        owner, name, had, old, label, _ = _applied.pop()
         if had:
             setattr(owner, name, old)
         else:
@@ -208,4 +283,5 @@ def uninstall():
     _missing.clear()
     _off.clear()
     _server.clear()
+    _logged = 0
     return restored[::-1]

@@ -1,21 +1,39 @@
-"""The private names of mlx-lm (and one of ``http.server``) the package
-relies on, each with what it expects of it and why no public hook serves.
+"""Every name of mlx-lm the package reads, subclasses or looks up by
+string, public or private, with what it expects of it, the features that
+rely on it and why; and the few names of mlx and of the standard library it
+reads that are outside their documented API or changed form across the
+supported range. A function or method the package wraps or rebinds is
+checked against what its replacement takes (``signature_problem``), so
+that fact lives in the replacement alone; it has a row only where other
+code of the package calls it too.
 
-``install()`` checks every entry against the installed code before it
-applies a patch that needs it (``Patch.needs``); one that does not match is
-named in ``missing()``, warned once, and the patches that need it are not
-applied, so their feature is off, loudly, never half on.
+``install()`` checks the rows of a feature before it applies the feature's
+patches; a row that does not hold is named in ``missing()``, and every
+feature that relies on it is off as a whole, never half on.
 """
 
 import ast
 import functools
 import importlib
 import inspect
-import sys
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
-from ..mla import self_fields
+from packaging.version import Version
+
+from ..mla import definition, self_fields
+from .table import (
+    CACHE_CHECKS,
+    DISK,
+    EVERYTHING,
+    FILES,
+    KV_BATCHING,
+    QUANTIZE,
+    RECOVERY,
+    REQUEST_CHECKS,
+    REUSE,
+    SAMPLING,
+)
 
 
 @dataclass(frozen=True)
@@ -26,10 +44,31 @@ class Method:
 
 
 @dataclass(frozen=True)
+class Keywords:
+    """A function that takes each of ``names`` as a keyword-only parameter."""
+
+    names: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Field:
     """An instance attribute: assigned as ``self.<name>`` in the class's
-    source; with ``methods``, on an instance made with no arguments, an
-    object that has those methods."""
+    source, or a field of a dataclass; with ``of``, on an instance made with
+    no arguments, an instance of that class of the same module."""
+
+    of: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Property:
+    """A property of the class; ``settable``: one with a setter."""
+
+    settable: bool = False
+
+
+@dataclass(frozen=True)
+class Exists:
+    """A class, or a module's global, that has each of ``methods``."""
 
     methods: Tuple[str, ...] = ()
 
@@ -46,91 +85,302 @@ class Calls:
 
 
 @dataclass(frozen=True)
-class Private:
+class Holds:
+    """A string in the source of a function or class: a dict key it uses,
+    or a command-line flag it defines (``--kv-bits`` is read back as
+    ``cli_args.kv_bits``)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Name:
     module: str
-    name: str  # "Class.attribute" or "function"
-    expects: object  # Method, Field or Calls
-    why: str  # why no public hook serves
+    name: str  # "Class.attribute", "Class", "function", "module.attribute"
+    expects: object  # one of the kinds above
+    features: Tuple[str, ...]  # what is off when it does not hold
+    why: str
+    since: Optional[str] = None  # the first mlx-lm release that has it
 
     @property
     def label(self):
-        return f"{self.module}.{self.name}"
+        where = f"{self.module}.{self.name}"
+        if isinstance(self.expects, Holds):
+            return f'{where} "{self.expects.text}"'
+        return where
 
 
-_TOKENIZE = Method(("self", "tokenizer", "request", "args"))
+def _rows(module, features, *rows):
+    return tuple(Name(module, *row[:2], features, *row[2:]) for row in rows)
 
-PRIVATE = (
-    Private("mlx_lm.models.cache", "LRUPromptCache._trie", Field(("search", "get", "pop")),
-            "the reuse guard checks every candidate entry before fetch_nearest_cache picks one"),
-    Private("mlx_lm.models.cache", "LRUPromptCache._lru", Field(("remove",)),
-            "a bad entry is evicted; LRUPromptCache can only trim by size"),
-    Private("mlx_lm.models.cache", "LRUPromptCache._n_bytes", Field(),
-            "evicting an entry keeps the store's byte count true"),
-    Private("mlx_lm.models.cache", "LRUPromptCache._n_bytes_by_type", Field(),
-            "evicting an entry keeps the store's byte count per type true"),
-    Private("mlx_lm.generate", "BatchGenerator._next", Method(("self",)),
-            "the one step of BatchGenerator after which its caches can be quantized"),
-    Private("mlx_lm.generate", "BatchGenerator._prompt_batch", Field(),
-            "the caches of the rows being prefilled"),
-    Private("mlx_lm.generate", "BatchGenerator._generation_batch", Field(),
-            "the caches of the rows being decoded"),
-    Private("mlx_lm.server", "ResponseGenerator._is_batchable", Method(("self", "args")),
-            "upstream refuses to batch under --kv-bits; MLA models can"),
-    Private("mlx_lm.server", "ResponseGenerator._tokenize", _TOKENIZE,
-            "a request is checked once its tokens are known, before it joins a batch"),
-    Private("mlx_lm.server", "ResponseGenerator._next_request", Method(("self", "timeout")),
-            "the open requests are tracked, to answer them if the loop fails"),
-    Private("mlx_lm.server", "ResponseGenerator._generate", Method(("self",)),
-            "the generation loop is restarted after a failure"),
-    Private("mlx_lm.server", "ResponseGenerator._stop", Field(),
-            "a restarted loop ends when the server stops"),
-    Private("mlx_lm.server", "_make_sampler", Method(("args", "tokenizer")),
-            "a request's sampler is built by the server's own builder to validate it"),
-    Private("mlx_lm.server", "_make_logits_processors", Method(("args",)),
-            "a request's logits processors, likewise"),
-    Private("mlx_lm.server", "argparse",
+
+CACHE = "mlx_lm.models.cache"
+GENERATE = "mlx_lm.generate"
+SERVER = "mlx_lm.server"
+_PARAMS = ("self", "keys", "values")
+_STATE = "a layer's arrays are read and set through it"
+_KEY = ("self", "model", "tokens")
+
+NAMES = (
+    # --- the stock caches the package's caches subclass (cache.py) ------------
+    *_rows(
+        CACHE,
+        (EVERYTHING,),
+        ("KVCache", Exists(), "the package's caches subclass it"),
+        ("BatchKVCache", Exists(), "the package's caches subclass it"),
+        ("RotatingKVCache", Exists(), "the package's caches subclass it"),
+    ),
+    *_rows(
+        CACHE,
+        (QUANTIZE,),
+        ("KVCache.keys", Field(), "an MLA latent, quantized in place"),
+        ("KVCache.values", Field(), "an MLA layer's RoPE key"),
+        ("KVCache.offset", Field(), "tokens held"),
+        ("KVCache.update_and_fetch", Method(_PARAMS), "stores the packed latent"),
+        ("KVCache.make_mask", Method(("self",)), "a packed cache's mask"),
+        ("KVCache.empty", Method(("self",)), "an empty cache merges unquantized"),
+        ("KVCache.state", Property(settable=True), "the packed format joins it"),
+        ("BatchKVCache.keys", Field(), "a batch's latent, quantized in place"),
+        ("BatchKVCache.values", Field(), "a batch's RoPE keys"),
+        ("BatchKVCache.offset", Field(), "each row's length, to quantize it"),
+        ("BatchKVCache.update_and_fetch", Method(_PARAMS), "stores packed rows"),
+        ("BatchKVCache.make_mask", Method(("self", "N")), "a packed batch's mask"),
+        ("BatchKVCache.filter", Method(("self", "batch_indices")), "drops rows"),
+        ("BatchKVCache.prepare", Method(("self",)), "a mixed batch's two halves"),
+        ("BatchKVCache.finalize", Method(("self",)), "a mixed batch's two halves"),
+        ("BatchKVCache.trim", Method(("self", "n")), "a mixed batch's two halves"),
+        ("BatchKVCache.state", Property(settable=True), "the packed format joins it"),
+        ("BatchKVCache.nbytes", Property(), "a mixed batch counts both halves"),
+        ("RotatingKVCache.update_and_fetch", Method(_PARAMS), "stores the window"),
+        ("RotatingKVCache.make_mask", Method(("self", "N")), "a window's mask"),
+        ("RotatingKVCache.trim", Method(("self", "n")), "a packed window trims"),
+        ("RotatingKVCache.state", Property(settable=True), "the packed format"),
+    ),
+    *_rows(
+        CACHE,
+        (QUANTIZE, REUSE),
+        ("KVCache.trim", Method(("self", "n")), "a packed cache; an exact hit"),
+    ),
+    *_rows(
+        CACHE,
+        (QUANTIZE, CACHE_CHECKS),
+        ("CacheList.caches", Field(), "a CacheList's latent is one of its members"),
+    ),
+    *_rows(
+        CACHE,
+        (REUSE,),
+        ("_BaseCache.is_trimmable", Method(("self",)), "whether it can step back"),
+        ("LRUPromptCache._trie", Field(of="PromptTrie"), "candidates are checked"),
+        ("LRUPromptCache._lru", Field(of="LRUPromptCache.CacheOrder"), "eviction"),
+        ("LRUPromptCache._n_bytes", Field(), "eviction keeps the byte count true"),
+        ("LRUPromptCache._n_bytes_by_type", Field(), "eviction keeps it true"),
+        ("PromptTrie.search", Method(_KEY), "the candidates of a fetch"),
+        ("PromptTrie.get", Method(_KEY), "a candidate's entry, to check it"),
+        ("PromptTrie.pop", Method(_KEY), "evicts a bad entry"),
+        ("PromptTrieResult.exact", Field(), "a candidate of a fetch"),
+        ("PromptTrieResult.shorter", Field(), "a candidate of a fetch"),
+        ("PromptTrieResult.longer", Field(), "a candidate of a fetch"),
+        ("LRUPromptCache.CacheOrder.remove", Method(_KEY), "evicts a bad entry"),
+        ("LRUPromptCache.CacheEntry.prompt_cache", Field(), "the cache checked"),
+        ("LRUPromptCache.CacheEntry.nbytes", Field(), "eviction keeps counts true"),
+        ("LRUPromptCache.CacheEntry.cache_type", Field(), "eviction, likewise"),
+    ),
+    *_rows(
+        CACHE,
+        (REUSE, DISK),
+        ("QuantizedKVCache.bits", Field(), "its keys are lists, not a bad cache"),
+    ),
+    *_rows(
+        CACHE,
+        (FILES, REUSE, DISK),
+        ("_BaseCache.state", Property(settable=True), _STATE),
+    ),
+    *_rows(
+        CACHE,
+        (FILES, DISK),
+        (
+            "save_prompt_cache",
+            Method(("file_name", "cache", "metadata")),
+            "a file is written once into a checksum's sink, then to disk",
+        ),
+    ),
+    *_rows(
+        CACHE,
+        (DISK,),
+        ("load_prompt_cache", Method(("file_name",)), "a file of the tier is read"),
+        ("can_trim_prompt_cache", Method(("cache",)), "a restored cache is cut"),
+        ("trim_prompt_cache", Method(("cache", "num_tokens")), "to the prompt"),
+    ),
+    # --- generation (mlx_lm.generate) ----------------------------------------
+    *_rows(
+        GENERATE,
+        (CACHE_CHECKS,),
+        (
+            "generate_step",
+            Keywords(("prompt_cache", "kv_bits", "kv_group_size")),
+            "the cache and settings are checked before the first step",
+        ),
+    ),
+    *_rows(
+        GENERATE,
+        (KV_BATCHING,),
+        ("BatchGenerator.model", Field(), "only an MLA model's batches quantize"),
+        ("BatchGenerator._prompt_batch", Field(), "the rows being prefilled"),
+        ("BatchGenerator._generation_batch", Field(), "the rows being decoded"),
+        ("PromptProcessingBatch.prompt_cache", Field(), "its caches quantize"),
+        ("GenerationBatch.prompt_cache", Field(), "its caches quantize"),
+    ),
+    # --- the server (mlx_lm.server) ------------------------------------------
+    *_rows(
+        SERVER,
+        (KV_BATCHING,),
+        ("ResponseGenerator.cli_args", Property(), "the server's --kv-bits"),
+        ("ModelProvider.is_batchable", Field(), "a model upstream would batch"),
+    ),
+    *_rows(
+        SERVER,
+        (KV_BATCHING, REQUEST_CHECKS),
+        ("ResponseGenerator.model_provider", Field(), "the model being served"),
+        ("ModelProvider.model", Field(), "its vocabulary, context and attention"),
+        ("GenerationArguments.seed", Field(), "a seeded request runs alone"),
+    ),
+    *_rows(
+        SERVER,
+        (KV_BATCHING, DISK),
+        ("main", Holds("--kv-bits"), "read back as cli_args.kv_bits", "0.32.0"),
+        ("main", Holds("--kv-group-size"), "as cli_args.kv_group_size", "0.32.0"),
+        ("main", Holds("--quantized-kv-start"), "likewise", "0.32.0"),
+    ),
+    *_rows(
+        SERVER,
+        (REQUEST_CHECKS,),
+        ("APIHandler.body", Field(), "NaN, infinity and cache_prompt are read"),
+        ("APIHandler.stream", Field(), "a failed stream gets an error event"),
+        ("APIHandler.logit_bias", Field(), "ids are checked against the vocab"),
+        ("CompletionRequest.request_type", Field(), "which fields to check"),
+        ("CompletionRequest.prompt", Field(), "an empty prompt is refused"),
+        ("CompletionRequest.messages", Field(), "malformed messages are refused"),
+        ("GenerationArguments.max_tokens", Field(), "checked against the context"),
+        ("GenerationArguments.logits", Field(), "its logit_bias is checked"),
+        ("GenerationArguments.sampling", Field(), "fields named when refused"),
+        ("LogitsProcessorArguments.logit_bias", Field(), "ids are checked"),
+        (
+            "_make_sampler",
+            Method(("args", "tokenizer")),
+            "a request's sampler is built by the server's own builder to check it",
+        ),
+        (
+            "_make_logits_processors",
+            Method(("args",)),
+            "a request's logits processors, likewise",
+        ),
+    ),
+    *_rows(
+        SERVER,
+        (RECOVERY,),
+        ("ResponseGenerator._stop", Field(), "a restarted loop ends with it"),
+        ("GenerationContext", Exists(("stop",)), "a failed request's row ends"),
+        ("Response.token", Field(), "the tokens a cancelled request got"),
+        (
+            "ResponseGenerator.generation_available",
+            Method(("self",)),
+            "a loop that keeps failing ends as upstream's does",
+            "0.32.0",
+        ),
+    ),
+    *_rows(
+        SERVER,
+        (DISK,),
+        ("ModelProvider.cli_args", Field(), "the tier's flags"),
+        ("ModelProvider.is_distributed", Field(), "no tier for a distributed one"),
+        ("main", Holds("--model"), "read as cli_args.model"),
+        ("main", Holds("--adapter-path"), "read as cli_args.adapter_path"),
+        ("main", Holds("--draft-model"), "read as cli_args.draft_model"),
+        (
+            "ModelProvider.__init__",
+            Holds("default_model"),
+            "mlx-lm 0.31 keys the command line's model so: its files are found",
+        ),
+        (
+            "argparse",
             Calls("argparse", "main", ("argparse.ArgumentParser", ".parse_args")),
             "main() makes its parser and reads the command line in one call; "
-            "flags join mlx-lm's own only through the parser class it makes"),
-    Private("mlx_lm.server", "APIHandler._set_completion_headers", Method(("self", "status_code")),
-            "upstream answers every error of generate() with 404"),
-    Private("mlx_lm.models.base", "scaled_dot_product_attention",
-            Method(("queries", "keys", "values", "cache", "scale", "mask", "sinks")),
-            "an MLA model's decode attention is this function of its module"),
-    Private("mlx_lm.tokenizer_utils", "TokenizerWrapper._tokenizer", Field(),
-            "the vocabulary size where the model's config does not give one"),
-    Private("http.server", "BaseHTTPRequestHandler._headers_buffer", Field(),
-            "a buffered 200 is dropped so a failed request gets one 500"),
+            "flags join mlx-lm's own only through the parser class it makes",
+        ),
+    ),
+    *_rows(
+        "mlx_lm.tokenizer_utils",
+        (REQUEST_CHECKS,),
+        (
+            "TokenizerWrapper._tokenizer",
+            Field(),
+            "the vocabulary size where the model's config does not give one",
+        ),
+    ),
+    # --- mlx and the standard library -----------------------------------------
+    *_rows(
+        "mlx.core",
+        (REQUEST_CHECKS, RECOVERY, SAMPLING),
+        (
+            "random.state",
+            Exists(("__getitem__",)),
+            "a failed sampler's random key is put back (a list before mlx "
+            "0.32.4, a read-only view after)",
+        ),
+    ),
+    *_rows(
+        "http.server",
+        (REQUEST_CHECKS,),
+        (
+            "BaseHTTPRequestHandler._headers_buffer",
+            Field(),
+            "a buffered 200 is dropped so a failed request gets one 500",
+        ),
+    ),
+    *_rows(
+        "socketserver",
+        (REQUEST_CHECKS,),
+        ("StreamRequestHandler.connection", Field(), "polled: has the client left"),
+    ),
 )
-BY_LABEL = {p.label: p for p in PRIVATE}
+BY_LABEL = {row.label: row for row in NAMES}
+
+
+def applies(row):
+    """Whether the installed mlx-lm should have ``row``'s name."""
+    import mlx_lm
+
+    return row.since is None or Version(mlx_lm.__version__) >= Version(row.since)
 
 
 def _resolve(module, dotted):
+    # What the name holds, under the package's own replacement of it if any.
     owner = importlib.import_module(module)
     for part in dotted.split("."):
         owner = getattr(owner, part, None)
         if owner is None:
             return None
-    return owner
+    return getattr(owner, "mlx_lm_mla_original", owner)
 
 
 @functools.lru_cache(maxsize=None)
-def _fields(module_name, class_name):
-    """The names a top-level class of a module assigns as ``self.<name>``,
-    read from the module's source once."""
-    try:
-        tree = ast.parse(inspect.getsource(sys.modules[module_name]))
-    except (KeyError, OSError, TypeError, SyntaxError):
-        return frozenset()
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            return frozenset(self_fields(node))
-    return frozenset()
+def _declared(node):
+    # What a class's source assigns as self.<name> or declares as a field.
+    fields = {
+        n.target.id
+        for n in node.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    return fields | self_fields(node)
 
 
-def _assigned(cls, name):
-    # Whether the class's own source assigns self.<name>.
-    return cls.__qualname__ == cls.__name__ and name in _fields(cls.__module__, cls.__name__)
+@functools.lru_cache(maxsize=None)
+def _strings(node):
+    return {
+        n.value
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
 
 
 def _dotted(node):
@@ -142,44 +392,116 @@ def _dotted(node):
     return ".".join([getattr(node, "id", ""), *parts[::-1]])
 
 
-def _calls_problem(entry):
-    expects, module = entry.expects, importlib.import_module(entry.module)
-    value = getattr(module, entry.name, None)
+def _calls_problem(row):
+    expects, module = row.expects, importlib.import_module(row.module)
+    value = getattr(module, row.name, None)
     wanted = importlib.import_module(expects.module)
     if getattr(value, "mlx_lm_mla_original", value) is not wanted:
         return f"not the {expects.module} module"
-    try:
-        tree = ast.parse(inspect.getsource(getattr(module, expects.function)))
-    except (AttributeError, OSError, TypeError, SyntaxError):
+    node = definition(getattr(module, expects.function, None))
+    if node is None:
         return f"{expects.function}() not found"
-    made = {_dotted(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    lacking = [c for c in expects.calls
-               if not any(m == c or c[0] == "." and m.endswith(c) for m in made)]
+    made = {_dotted(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
+    lacking = [
+        c
+        for c in expects.calls
+        if not any(m == c or c[0] == "." and m.endswith(c) for m in made)
+    ]
     if lacking:
         return f"{expects.function}() makes no call to {', '.join(lacking)}"
     return None
 
 
-def problem(entry):
-    """Why the installed code does not meet ``entry``, or None."""
-    owner_path, _, name = entry.name.rpartition(".")
-    expects = entry.expects
-    if isinstance(expects, Calls):
-        return _calls_problem(entry)
-    if isinstance(expects, Method):
-        found = _resolve(entry.module, entry.name)
-        if not callable(found):
-            return "not found"
-        params = tuple(inspect.signature(found).parameters)
-        if params[: len(expects.params)] != expects.params:
-            return f"takes ({', '.join(params)}), expected ({', '.join(expects.params)}, ...)"
+def _params(found):
+    try:
+        return tuple(inspect.signature(found).parameters.values())
+    except (TypeError, ValueError):
         return None
-    cls = _resolve(entry.module, owner_path)
-    if not isinstance(cls, type) or not _assigned(cls, name):
+
+
+def problem(row):
+    """Why the installed code does not meet ``row``, or None."""
+    owner_path, _, name = row.name.rpartition(".")
+    expects = row.expects
+    if isinstance(expects, Calls):
+        return _calls_problem(row)
+    found = _resolve(row.module, row.name)
+    if isinstance(expects, (Method, Keywords)):
+        params = _params(found) if callable(found) else None
+        if params is None:
+            return "not found"
+        names = tuple(p.name for p in params)
+        lead = getattr(expects, "params", ())
+        if names[: len(lead)] != lead:
+            return f"takes ({', '.join(names)}), expected ({', '.join(lead)}, ...)"
+        if isinstance(expects, Keywords):
+            keyword = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+            lacking = [n for n in expects.names if n not in keyword]
+            if lacking:
+                return f"takes no keyword-only {', '.join(lacking)}"
+        return None
+    if isinstance(expects, Exists):
+        lacking = [m for m in expects.methods if not hasattr(found, m)]
+        if found is None or lacking:
+            return f"has no {', '.join(lacking)}" if found is not None else "not found"
+        return None
+    if isinstance(expects, Holds):
+        node = definition(found) if found is not None else None
+        if node is None or expects.text not in _strings(node):
+            return f"its source has no {expects.text!r}"
+        return None
+    cls = _resolve(row.module, owner_path) if owner_path else None
+    if not isinstance(cls, type):
         return "not found"
-    if expects.methods:
-        value = getattr(cls(), name, None)
-        lacking = [m for m in expects.methods if not callable(getattr(value, m, None))]
-        if lacking:
-            return f"has no {', '.join(lacking)}"
+    if isinstance(expects, Property):
+        prop = inspect.getattr_static(cls, name, None)
+        if not isinstance(prop, property) or expects.settable and prop.fset is None:
+            return "not a property" + (" with a setter" if expects.settable else "")
+        return None
+    node = definition(cls)
+    if node is None or name not in _declared(node):
+        return "not found"
+    if expects.of:
+        kind = _resolve(row.module, expects.of)
+        if not isinstance(getattr(cls(), name, None), kind or ()):
+            return f"not a {expects.of}"
+    return None
+
+
+_P = inspect.Parameter
+_POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
+
+
+def signature_problem(replacement, original):
+    """Why ``replacement`` cannot stand for ``original``, from their
+    parameters, or None. Its named positional parameters lead the original's
+    (without ``*args`` it takes no more); without ``**kwargs`` it takes every
+    keyword-only one and the original has no ``*args`` or ``**kwargs``; a
+    default it gives is the original's."""
+    mine, theirs = _params(replacement), _params(original)
+    if theirs is None:
+        return "its parameters cannot be read"
+    lead = [p for p in mine if p.kind in _POSITIONAL]
+    kinds = {p.kind for p in mine}
+    positional = [p for p in theirs if p.kind in _POSITIONAL]
+    names = [p.name for p in positional]
+    expected = [p.name for p in lead]
+    if names[: len(expected)] != expected or (
+        _P.VAR_POSITIONAL not in kinds and len(names) > len(expected)
+    ):
+        return f"takes ({', '.join(names)}), its replacement ({', '.join(expected)})"
+    for p, q in zip(lead, positional):
+        if p.default is not p.empty and p.default != q.default:
+            return f"{q.name} defaults to {q.default!r}, not {p.default!r}"
+    taken = {p.name for p in mine}
+    lacking = [
+        q.name
+        for q in theirs
+        if q.kind is q.VAR_POSITIONAL and _P.VAR_POSITIONAL not in kinds
+        or q.kind in (q.KEYWORD_ONLY, q.VAR_KEYWORD)
+        and _P.VAR_KEYWORD not in kinds
+        and q.name not in taken
+    ]
+    if lacking:
+        return f"takes {', '.join(lacking)}, its replacement does not"
     return None

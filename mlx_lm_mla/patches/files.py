@@ -11,7 +11,7 @@ from copy import deepcopy
 
 from ..checksum import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
 from ..mla import is_latent, leaves
-from .table import Patch
+from .table import FILES, Patch
 
 CACHE = "mlx_lm.models.cache"
 
@@ -96,8 +96,8 @@ def _put_back_empty(file_name, cache, record):
 
 def table():
     return [
-        Patch(CACHE, "load_prompt_cache", "rebind", checked_load),
-        Patch(CACHE, "save_prompt_cache", "rebind", checked_save),
+        Patch(CACHE, "load_prompt_cache", "rebind", checked_load, FILES),
+        Patch(CACHE, "save_prompt_cache", "rebind", checked_save, FILES),
     ]
 
 

@@ -1,14 +1,16 @@
 """Patches on ``mlx_lm.generate``: a prompt cache is checked against its
 model and the quantization asked for before the first step, and
 ``BatchGenerator`` quantizes the batches of an MLA model served with
-``--kv-bits`` (``server.py`` lets the server batch them)."""
+``--kv-bits`` (applied with the server's patches, ``server.py``, which let
+the server batch them)."""
 
 import contextvars
+import inspect
 from dataclasses import dataclass
 
 from ..cache import _PackedLatent
 from ..mla import ATTENTION, found_once, has_latent_attention, latent_modules, leaves, mark_model_caches
-from .table import Patch
+from .table import CACHE_CHECKS, Patch
 from . import quantize
 
 
@@ -22,6 +24,7 @@ class KVSettings:
 
     @classmethod
     def of(cls, cli_args):
+        # mlx-lm 0.31's server has no --kv-bits (its contract rows start at 0.32).
         if getattr(cli_args, "kv_bits", None) is None:
             return None
         return cls(cli_args.kv_group_size, cli_args.kv_bits, cli_args.quantized_kv_start)
@@ -32,20 +35,10 @@ class KVSettings:
 SERVER_KV = contextvars.ContextVar("mlx_lm_mla_server_kv", default=None)
 
 GENERATE = "mlx_lm.generate"
-# What --kv-bits batching reads of BatchGenerator and its caches.
-BATCH_QUANTIZING = (
-    "mlx_lm.generate.BatchGenerator._next",
-    "mlx_lm.generate.BatchGenerator._prompt_batch",
-    "mlx_lm.generate.BatchGenerator._generation_batch",
-)
 
 
 def table():
-    return [
-        Patch(GENERATE, "generate_step", "rebind", checked_generate_step),
-        Patch(GENERATE, "BatchGenerator._next", "wrap", quantizing_next,
-              needs=BATCH_QUANTIZING, feature="--kv-bits batching of MLA models"),
-    ]
+    return [Patch(GENERATE, "generate_step", "rebind", checked_generate_step, CACHE_CHECKS)]
 
 
 def quantizing_next(original):
@@ -57,8 +50,9 @@ def quantizing_next(original):
         settings = SERVER_KV.get()
         if settings is not None and has_latent_attention(self.model):
             for batch in (self._prompt_batch, self._generation_batch):
-                caches = getattr(batch, "prompt_cache", [])
-                quantize.quantize_batches(caches, settings.group_size, settings.bits, settings.start)
+                quantize.quantize_batches(
+                    batch.prompt_cache, settings.group_size, settings.bits, settings.start
+                )
         return result
 
     _next.mlx_lm_mla_original = original
@@ -125,12 +119,18 @@ def checked_generate_step(original):
     """``generate_step`` that refuses a prompt cache its model cannot use, or
     one quantized otherwise than ``kv_bits`` asks, before the first step."""
 
+    # Keyword-only parameters of generate_step (a contract row says so).
+    default_group_size = inspect.signature(original).parameters["kv_group_size"].default
+
     def generate_step(prompt, model, *args, **kwargs):
         cache = kwargs.get("prompt_cache")
         if isinstance(cache, (list, tuple)):
             mark_model_caches(model, cache)
-            bits, group_size = kwargs.get("kv_bits"), kwargs.get("kv_group_size", 64)
-            problem = cache_mismatch(model, cache) or settings_mismatch(cache, bits, group_size)
+            bits = kwargs.get("kv_bits")
+            group_size = kwargs.get("kv_group_size", default_group_size)
+            problem = cache_mismatch(model, cache) or settings_mismatch(
+                cache, bits, group_size
+            )
             if problem:
                 raise ValueError(problem)
         return original(prompt, model, *args, **kwargs)

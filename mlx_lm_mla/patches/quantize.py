@@ -22,25 +22,25 @@ from ..cache import (
     quantize_rows,
 )
 from ..mla import carry_mark, is_latent, leaves, mark_model_caches
-from .table import Patch
+from .table import QUANTIZE, Patch
 
 CACHE = "mlx_lm.models.cache"
 
 
 def table():
-    rows = [Patch(CACHE, cls.__name__, "set", lambda _, c=cls: c) for cls in QUANTIZED_LATENT.values()]
+    rows = [(cls.__name__, "set", lambda _, c=cls: c) for cls in QUANTIZED_LATENT.values()]
     rows += [
-        Patch(CACHE, "make_prompt_cache", "rebind", marked_make_prompt_cache),
-        Patch(CACHE, "KVCache.to_quantized", "wrap", latent_to_quantized),
-        Patch(CACHE, "RotatingKVCache.to_quantized", "wrap", latent_to_quantized),
-        Patch(CACHE, "BatchKVCache.merge", "classmethod", lambda f: latent_merge(f, BatchKVCache)),
-        Patch(CACHE, "BatchKVCache.extend", "wrap", latent_extend),
-        Patch(CACHE, "BatchKVCache.extract", "wrap", marked_extract),
-        Patch(CACHE, "CacheList.to_quantized", "set", lambda _: property(cache_list_to_quantized)),
-        Patch(CACHE, "CacheList.offset", "set", lambda _: property(cache_list_offset)),
-        Patch(CACHE, "BatchRotatingKVCache.merge", "classmethod", refuse_quantized_merge),
+        ("make_prompt_cache", "rebind", marked_make_prompt_cache),
+        ("KVCache.to_quantized", "wrap", latent_to_quantized),
+        ("RotatingKVCache.to_quantized", "wrap", latent_to_quantized),
+        ("BatchKVCache.merge", "classmethod", lambda f: latent_merge(f, BatchKVCache)),
+        ("BatchKVCache.extend", "wrap", latent_extend),
+        ("BatchKVCache.extract", "wrap", marked_extract),
+        ("CacheList.to_quantized", "set", lambda _: property(cache_list_to_quantized)),
+        ("CacheList.offset", "set", lambda _: property(cache_list_offset)),
+        ("BatchRotatingKVCache.merge", "classmethod", refuse_quantized_merge),
     ]
-    return rows
+    return [Patch(CACHE, *row, QUANTIZE) for row in rows]
 
 
 # --- stock caches, fixed where they are quantized --------------------------

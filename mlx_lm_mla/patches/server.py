@@ -8,63 +8,61 @@ import sys
 from ..disk import hooks as disk
 from ..guards import recovery, requests, reuse, sampling
 from ..mla import has_latent_attention
-from .table import Patch
-from .generate import BATCH_QUANTIZING, SERVER_KV, KVSettings
+from .generate import GENERATE, SERVER_KV, KVSettings, quantizing_next
+from .table import (
+    BAD_REQUESTS,
+    DISK,
+    KV_BATCHING,
+    RECOVERY,
+    REQUEST_CHECKS,
+    REUSE,
+    SAMPLING,
+    Patch,
+)
 
 SERVER = "mlx_lm.server"
 CACHE = "mlx_lm.models.cache"
-_LRU = tuple(f"{CACHE}.LRUPromptCache.{n}" for n in ("_trie", "_lru", "_n_bytes", "_n_bytes_by_type"))
-_TOKENIZE = (
-    f"{SERVER}.ResponseGenerator._tokenize",
-    f"{SERVER}._make_sampler",
-    f"{SERVER}._make_logits_processors",
-    "mlx_lm.tokenizer_utils.TokenizerWrapper._tokenizer",
-)
-_LOOP = tuple(f"{SERVER}.ResponseGenerator.{n}" for n in ("_next_request", "_generate", "_stop"))
 
 
 def table():
     server = sys.modules[SERVER]
+    handler, generator = "APIHandler", "ResponseGenerator"
+    fetch, insert = "LRUPromptCache.fetch_nearest_cache", "LRUPromptCache.insert_cache"
     return [
-        Patch(SERVER, "APIHandler.handle_completion", "wrap", requests.guarded_completion,
-              needs=("http.server.BaseHTTPRequestHandler._headers_buffer",),
-              feature="request checks"),
-        Patch(SERVER, "APIHandler._set_completion_headers", "wrap", requests.bad_request_status,
-              needs=(f"{SERVER}.APIHandler._set_completion_headers",), feature="400 for bad requests"),
-        Patch(SERVER, "APIHandler.validate_model_parameters", "wrap", requests.refused_parameters),
-        Patch(SERVER, "APIHandler.do_POST", "wrap", requests.answered_post),
-        Patch(SERVER, "ResponseGenerator._is_batchable", "wrap", batchable_with_kv_bits,
-              needs=(f"{SERVER}.ResponseGenerator._is_batchable", *BATCH_QUANTIZING),
-              feature="--kv-bits batching of MLA models"),
-        Patch(SERVER, "ResponseGenerator._generate", "wrap", generate_with_kv_settings,
-              needs=(f"{SERVER}.ResponseGenerator._is_batchable", *BATCH_QUANTIZING),
-              feature="--kv-bits batching of MLA models"),
+        Patch(SERVER, f"{handler}.handle_completion", "wrap",
+              requests.guarded_completion, REQUEST_CHECKS),
         # One wrapper of _tokenize: the request's checks, then its cache policy.
-        Patch(SERVER, "ResponseGenerator._tokenize", "wrap",
+        Patch(SERVER, f"{generator}._tokenize", "wrap",
               lambda f: reuse.no_store_tokenize(requests.checked_tokenize(f, server)),
-              needs=_TOKENIZE, feature="request checks"),
-        Patch(CACHE, "LRUPromptCache.fetch_nearest_cache", "wrap", reuse.guarded_fetch,
-              needs=_LRU, feature="prompt cache reuse guards"),
-        Patch(CACHE, "LRUPromptCache.insert_cache", "wrap", reuse.guarded_insert,
-              needs=_LRU, feature="prompt cache reuse guards"),
+              REQUEST_CHECKS),
+        Patch(SERVER, f"{handler}._set_completion_headers", "wrap",
+              requests.bad_request_status, BAD_REQUESTS),
+        Patch(SERVER, f"{handler}.validate_model_parameters", "wrap",
+              requests.refused_parameters, BAD_REQUESTS),
+        Patch(SERVER, f"{handler}.do_POST", "wrap", requests.answered_post,
+              BAD_REQUESTS),
+        # The server batches MLA models under --kv-bits; its BatchGenerators
+        # quantize them.
+        Patch(SERVER, f"{generator}._is_batchable", "wrap", batchable_with_kv_bits,
+              KV_BATCHING),
+        Patch(SERVER, f"{generator}._generate", "wrap", generate_with_kv_settings,
+              KV_BATCHING),
+        Patch(GENERATE, "BatchGenerator._next", "wrap", quantizing_next, KV_BATCHING),
+        Patch(CACHE, fetch, "wrap", reuse.guarded_fetch, REUSE),
+        Patch(CACHE, insert, "wrap", reuse.guarded_insert, REUSE),
         # The disk tier, behind RAM: it sees what the guards let through.
-        Patch(CACHE, "LRUPromptCache.fetch_nearest_cache", "wrap", disk.fetch_from_disk,
-              feature="prompt caches on disk"),
-        Patch(CACHE, "LRUPromptCache.insert_cache", "wrap", disk.insert_to_disk,
-              feature="prompt caches on disk"),
-        Patch(SERVER, "run", "wrap", disk.with_tier, feature="prompt caches on disk"),
-        # main() makes its parser through this module global: the tier's flags join it.
-        Patch(SERVER, "argparse", "set", disk.server_argparse,
-              needs=(f"{SERVER}.argparse",), feature="prompt caches on disk"),
-        # The loop is supervised only where the open requests can be tracked.
-        Patch(SERVER, "ResponseGenerator._next_request", "wrap", recovery.tracked_next_request,
-              needs=_LOOP, feature="recovery after a failure"),
-        Patch(SERVER, "ResponseGenerator._generate", "wrap", recovery.supervised_generate,
-              needs=_LOOP, feature="recovery after a failure"),
-        Patch(SERVER, "_make_sampler", "wrap", sampling.guarded_make_sampler,
-              needs=(f"{SERVER}._make_sampler",), feature="sampling guards"),
-        Patch(SERVER, "_make_logits_processors", "wrap", sampling.guarded_make_logits_processors,
-              needs=(f"{SERVER}._make_logits_processors",), feature="sampling guards"),
+        Patch(CACHE, fetch, "wrap", disk.fetch_from_disk, DISK),
+        Patch(CACHE, insert, "wrap", disk.insert_to_disk, DISK),
+        Patch(SERVER, "run", "wrap", disk.with_tier, DISK),
+        # main() makes its parser through this module global: the flags join it.
+        Patch(SERVER, "argparse", "set", disk.server_argparse, DISK),
+        Patch(SERVER, f"{generator}._next_request", "wrap",
+              recovery.tracked_next_request, RECOVERY),
+        Patch(SERVER, f"{generator}._generate", "wrap", recovery.supervised_generate,
+              RECOVERY),
+        Patch(SERVER, "_make_sampler", "wrap", sampling.guarded_make_sampler, SAMPLING),
+        Patch(SERVER, "_make_logits_processors", "wrap",
+              sampling.guarded_make_logits_processors, SAMPLING),
     ]
 
 
@@ -78,7 +76,7 @@ def batchable_with_kv_bits(original):
     def _is_batchable(self, args):
         if original(self, args):
             return True
-        model = getattr(self.model_provider, "model", None)
+        model = self.model_provider.model
         return (
             KVSettings.of(self.cli_args) is not None
             and model is not None
@@ -97,7 +95,7 @@ def generate_with_kv_settings(original):
     BatchGenerators it runs."""
 
     def _generate(self):
-        token = SERVER_KV.set(KVSettings.of(getattr(self, "cli_args", None)))
+        token = SERVER_KV.set(KVSettings.of(self.cli_args))
         try:
             return original(self)
         finally:

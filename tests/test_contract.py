@@ -1,0 +1,303 @@
+"""The contract (patches/contract.py): every mlx-lm name the package reads
+holds at this mlx-lm, and one that does not, of each kind, is named in
+missing() and in one log line, and switches off its feature alone."""
+
+import argparse
+import importlib
+import logging
+import re
+import types
+import warnings
+
+import mlx_lm
+import pytest
+
+import mlx_lm_mla
+from mlx_lm_mla import patches
+from mlx_lm_mla.patches import contract
+from mlx_lm_mla.patches.table import (
+    CACHE_CHECKS,
+    DISK,
+    EVERYTHING,
+    KV_BATCHING,
+    RECOVERY,
+    REQUEST_CHECKS,
+    REUSE,
+)
+
+
+def table_rows():
+    """Every row of the patch table at this mlx-lm (read while installed:
+    the model rows fill what install() fills)."""
+    from mlx_lm_mla.patches import files, generate, models, quantize, server
+
+    core = [*quantize.table(), *models.table(), *files.table(), *generate.table()]
+    return core + server.table()
+
+
+def label(patch):
+    return f"{patch.module}.{patch.target}"
+
+
+def features_on():
+    return set(patches.features_on())
+
+
+@pytest.fixture
+def server(stock, monkeypatch):
+    """mlx_lm.server imported, so install() applies its patches too; every
+    name warned about again."""
+    server = importlib.import_module("mlx_lm.server")
+    monkeypatch.setattr(patches, "_warned_missing", set())
+    return server
+
+
+@pytest.fixture
+def all_features(server):
+    mlx_lm_mla.install()
+    found = {p.feature for p in table_rows()}
+    mlx_lm_mla.uninstall()
+    return found
+
+
+def install_logged(caplog):
+    """install(), and the features its one log line names as switched off."""
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mlx_lm_mla.install()
+    [line] = [r.getMessage() for r in caplog.records if r.name == "mlx_lm_mla"]
+    return re.search(r"switched off: (.*)$", line).group(1).split(", "), line
+
+
+def assert_only_off(feature, all_features, caplog, name):
+    off, line = install_logged(caplog)
+    assert name in patches.missing() and name in line
+    assert off == [feature]
+    assert features_on() == all_features - {feature}
+
+
+# --- every row holds where it should ----------------------------------------
+
+
+def test_every_name_of_the_contract_holds_at_this_mlx_lm(server):
+    rows = [row for row in contract.NAMES if contract.applies(row)]
+    problems = {row.label: contract.problem(row) for row in rows}
+    assert problems == {row.label: None for row in rows}
+
+
+def test_a_name_of_a_later_mlx_lm_is_checked_from_that_release_on(monkeypatch):
+    later = [row for row in contract.NAMES if row.since]
+    assert later
+    monkeypatch.setattr(mlx_lm, "__version__", "0.31.9")
+    assert not any(contract.applies(row) for row in later)
+    monkeypatch.setattr(mlx_lm, "__version__", "0.32.0")
+    assert all(contract.applies(row) for row in later)
+
+
+def test_every_name_is_read_by_a_feature_of_the_patch_table(all_features):
+    read = {feature for row in contract.NAMES for feature in row.features}
+    assert read <= all_features | {EVERYTHING}
+
+
+def test_no_feature_is_applied_partly_at_install_and_partly_with_the_server(server):
+    from mlx_lm_mla.patches import server as server_patches
+
+    mlx_lm_mla.install()
+    later = server_patches.table()
+    first = table_rows()[: -len(later)]
+    assert later and not {p.feature for p in later} & {p.feature for p in first}
+
+
+def wrapper(self, group_size=64, bits=4):
+    """A replacement taking exactly these."""
+
+
+@pytest.mark.parametrize(
+    "original, holds",
+    [
+        (lambda self, group_size=64, bits=4: None, True),
+        (lambda self, bits=4, group_size=64: None, False),  # swapped
+        (lambda self, group_size=32, bits=4: None, False),  # another default
+        (lambda self, group_size=64, bits=4, mode="affine": None, False),  # more
+        (lambda self, group_size=64, bits=4, *, mode="affine": None, False),
+        (lambda self, group_size=64, bits=4, **options: None, False),
+        (lambda self, group_size=64: None, False),  # fewer
+    ],
+)
+def test_a_replacement_stands_for_a_target_taking_what_it_takes(original, holds):
+    assert (contract.signature_problem(wrapper, original) is None) == holds
+
+
+def test_a_replacement_taking_any_more_stands_for_a_target_with_more():
+    def passing(self, tokenizer, *args, **kwargs):
+        pass
+
+    original = lambda self, tokenizer, request, *, stream=False, **extra: None  # noqa
+    assert contract.signature_problem(passing, original) is None
+
+
+def other(renamed):
+    """A function taking what no replacement of the package takes."""
+
+
+def test_every_replaced_target_is_checked_against_its_replacement(server, monkeypatch):
+    mlx_lm_mla.install()
+    replaced = [p for p in table_rows() if p.how in ("wrap", "rebind", "classmethod")]
+    mlx_lm_mla.uninstall()
+    unchecked = []
+    for patch in replaced:
+        path, _, name = patch.target.rpartition(".")
+        owner = importlib.import_module(patch.module)
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        with monkeypatch.context() as m, warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            instead = classmethod(other) if patch.how == "classmethod" else other
+            m.setattr(owner, name, instead)
+            mlx_lm_mla.install()
+            if not any(gone.startswith(label(patch)) for gone in patches.missing()):
+                unchecked.append(label(patch))
+            mlx_lm_mla.uninstall()
+    assert {p.how for p in replaced} == {"wrap", "rebind", "classmethod"}
+    assert unchecked == []
+
+
+# --- a name that does not hold, of each kind --------------------------------
+
+
+def search(self, tokens, model):
+    """PromptTrie.search with its parameters swapped."""
+
+
+def test_a_method_with_other_parameters_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    trie = importlib.import_module("mlx_lm.models.cache").PromptTrie
+    monkeypatch.setattr(trie, "search", search)
+    name = "mlx_lm.models.cache.PromptTrie.search"
+    assert_only_off(REUSE, all_features, caplog, name)
+
+
+def generate_step(prompt, model, *, prompt_cache=None, kv_group_size=64):
+    """generate_step without a kv_bits keyword."""
+
+
+def test_a_keyword_taken_no_more_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    generate = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(generate, "generate_step", generate_step)
+    name = "mlx_lm.generate.generate_step"
+    assert_only_off(CACHE_CHECKS, all_features, caplog, name)
+
+
+class BatchGenerator:
+    """mlx-lm's BatchGenerator, its prefilled rows under another name."""
+
+    def __init__(self, model):
+        self.model = model
+        self._prefill_batch = self._generation_batch = None
+
+    def _next(self):
+        pass
+
+
+def test_a_renamed_field_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    generate = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(generate, "BatchGenerator", BatchGenerator)
+    name = "mlx_lm.generate.BatchGenerator._prompt_batch"
+    assert_only_off(KV_BATCHING, all_features, caplog, name)
+
+
+def test_a_property_that_is_no_more_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    monkeypatch.setattr(server.ResponseGenerator, "cli_args", None)
+    name = "mlx_lm.server.ResponseGenerator.cli_args"
+    assert_only_off(KV_BATCHING, all_features, caplog, name)
+
+
+def test_a_class_looked_up_by_name_that_is_gone_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    monkeypatch.delattr(server, "GenerationContext")
+    assert_only_off(RECOVERY, all_features, caplog, "mlx_lm.server.GenerationContext")
+
+
+def test_a_parser_made_otherwise_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    monkeypatch.setattr(server, "argparse", types.ModuleType("argparse"))
+    assert_only_off(DISK, all_features, caplog, "mlx_lm.server.argparse")
+
+
+def provider_init(self, cli_args):
+    """ModelProvider.__init__ keying the command line's model otherwise."""
+    self.cli_args = cli_args
+
+
+def test_a_dict_key_no_more_in_the_source_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    monkeypatch.setattr(server.ModelProvider, "__init__", provider_init)
+    name = 'mlx_lm.server.ModelProvider.__init__ "default_model"'
+    assert_only_off(DISK, all_features, caplog, name)
+
+
+def main():
+    """mlx_lm.server.main with its flags, --kv-bits gone."""
+    parser = argparse.ArgumentParser()
+    for flag in ("--model", "--adapter-path", "--draft-model", "--kv-group-size"):
+        parser.add_argument(flag)
+    parser.add_argument("--quantized-kv-start")
+    parser.parse_args()
+
+
+def test_a_flag_no_more_defined_switches_off_the_features_that_read_it(
+    server, all_features, monkeypatch, caplog
+):
+    monkeypatch.setattr(mlx_lm, "__version__", "0.32.2")  # one that has --kv-bits
+    monkeypatch.setattr(server, "main", main)
+    available = lambda self: True  # noqa: E731 (mlx-lm 0.32 has it)
+    monkeypatch.setattr(
+        server.ResponseGenerator, "generation_available", available, raising=False
+    )
+    off, line = install_logged(caplog)
+    assert patches.missing() == ['mlx_lm.server.main "--kv-bits"']
+    assert set(off) == {KV_BATCHING, DISK}
+    assert features_on() == all_features - {KV_BATCHING, DISK}
+
+
+def test_a_replaced_target_with_other_parameters_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    swapped = lambda self, request, tokenizer, args: None  # noqa: E731
+    monkeypatch.setattr(server.ResponseGenerator, "_tokenize", swapped)
+    name = "mlx_lm.server.ResponseGenerator._tokenize"
+    assert_only_off(REQUEST_CHECKS, all_features, caplog, name)
+    assert name not in mlx_lm_mla.installed()
+
+
+def test_an_mlx_name_of_another_form_switches_off_the_features_that_read_it(
+    server, all_features, monkeypatch, caplog
+):
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.random, "state", None)
+    off, line = install_logged(caplog)
+    assert patches.missing() == ["mlx.core.random.state"]
+    read = set(contract.BY_LABEL["mlx.core.random.state"].features)
+    assert set(off) == read and features_on() == all_features - read
+
+
+def test_a_stock_cache_class_that_is_gone_switches_off_everything(
+    server, monkeypatch, caplog
+):
+    cache = importlib.import_module("mlx_lm.models.cache")
+    monkeypatch.delattr(cache, "RotatingKVCache")
+    off, line = install_logged(caplog)
+    assert patches.missing() == ["mlx_lm.models.cache.RotatingKVCache"]
+    assert off == [EVERYTHING] and mlx_lm_mla.installed() == []
