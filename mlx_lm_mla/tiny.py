@@ -34,7 +34,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
-from mlx_lm.utils import _get_classes, quantize_model
 from tokenizers import Tokenizer, decoders, models
 
 from . import mla
@@ -520,6 +519,20 @@ def _cast(model: nn.Module, dtype: mx.Dtype):
     model.update(tree_map_with_path(cast, model.parameters()))
 
 
+def _mlx_lm_utils():
+    """``mlx_lm.utils``, once the names read from it are as expected."""
+    import mlx_lm.utils
+
+    from .patches.contract import unmet
+    from .patches.table import TINY
+
+    problems = unmet(TINY)
+    if problems:
+        found = "; ".join(f"{label}: {why}" for label, why in problems.items())
+        raise RuntimeError(f"mlx-lm-mla cannot build tiny models with this mlx-lm: {found}")
+    return mlx_lm.utils
+
+
 def build_model(
     model_type: str, seed: int = 0, dtype: mx.Dtype = mx.float32, **overrides
 ) -> tuple[nn.Module, dict]:
@@ -528,7 +541,7 @@ def build_model(
     Returns ``(model, config)``. The same seed gives the same weights.
     """
     config = tiny_config(model_type, **overrides)
-    model_class, model_args_class = _get_classes(config)
+    model_class, model_args_class = _mlx_lm_utils()._get_classes(config)
     mx.random.seed(seed)
     model = model_class(model_args_class.from_dict(copy.deepcopy(config)))
     _randomize_zeros(model)
@@ -561,7 +574,7 @@ def save_model(
     if quantize_bits is not None:
         # quantize_model prints the bits per weight.
         with contextlib.redirect_stdout(io.StringIO()):
-            model, config = quantize_model(
+            model, config = _mlx_lm_utils().quantize_model(
                 model, config, group_size=group_size, bits=quantize_bits
             )
     weights = dict(tree_flatten(model.parameters()))

@@ -23,6 +23,7 @@ from mlx_lm_mla.patches.table import (
     RECOVERY,
     REQUEST_CHECKS,
     REUSE,
+    TINY,
 )
 
 
@@ -97,7 +98,7 @@ def test_a_name_of_a_later_mlx_lm_is_checked_from_that_release_on(monkeypatch):
 
 def test_every_name_is_read_by_a_feature_of_the_patch_table(all_features):
     read = {feature for row in contract.NAMES for feature in row.features}
-    assert read <= all_features | {EVERYTHING}
+    assert read <= all_features | {EVERYTHING, TINY}
 
 
 def test_no_feature_is_applied_partly_at_install_and_partly_with_the_server(server):
@@ -301,3 +302,13 @@ def test_a_stock_cache_class_that_is_gone_switches_off_everything(
     off, line = install_logged(caplog)
     assert patches.missing() == ["mlx_lm.models.cache.RotatingKVCache"]
     assert off == [EVERYTHING] and mlx_lm_mla.installed() == []
+
+
+def test_a_tiny_model_needs_the_names_it_reads_and_names_what_is_gone(monkeypatch):
+    import mlx_lm.utils
+
+    from mlx_lm_mla import tiny
+
+    monkeypatch.setattr(mlx_lm.utils, "_get_classes", lambda model_config: None)
+    with pytest.raises(RuntimeError, match=r"mlx_lm\.utils\._get_classes: takes \(model_config\)"):
+        tiny.build_model("glm4_moe_lite")

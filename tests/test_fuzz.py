@@ -4,7 +4,6 @@ of anyone's batch; the streams end with the text they give alone; and the
 next sampled request is served (no random state left broken)."""
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -104,7 +103,6 @@ def odd_then_sampled(port, i, field, value):
 @pytest.mark.soak
 def test_odd_values_in_every_field_harm_no_stream_and_the_next_sampled_request_is_served(model_path):
     cases = [(field, v) for field in FIELDS for v in VALUES]
-    started = time.perf_counter()
     problems, i = [], 0
     with Server(model_path, "--decode-concurrency", 8) as server, ThreadPoolExecutor(WAVE) as pool:
         alone = [server.chat(q, **stream_args(k))[0] for k, q in enumerate(questions(3))]
@@ -124,4 +122,3 @@ def test_odd_values_in_every_field_harm_no_stream_and_the_next_sampled_request_i
             problems += [f"stream {k}: {s.error or 'not the text it gives alone'}"
                          for k, s in enumerate(streams) if s.text != alone[k]]
     assert problems == []
-    assert time.perf_counter() - started < 120

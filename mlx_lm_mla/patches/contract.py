@@ -33,6 +33,7 @@ from .table import (
     REQUEST_CHECKS,
     REUSE,
     SAMPLING,
+    TINY,
 )
 
 
@@ -338,12 +339,25 @@ NAMES = (
         ),
     ),
     *_rows(
+        "mlx_lm.utils",
+        (TINY,),
+        ("_get_classes", Method(("config",)), "a tiny model is built from a config dict as load builds it"),
+        ("quantize_model", Method(("model", "config", "group_size", "bits")),
+         "a tiny model is quantized as mlx_lm.convert quantizes"),
+    ),
+    *_rows(
         "socketserver",
         (REQUEST_CHECKS,),
         ("StreamRequestHandler.connection", Field(), "polled: has the client left"),
     ),
 )
 BY_LABEL = {row.label: row for row in NAMES}
+
+
+def unmet(feature):
+    """``{label: problem}`` of the rows of ``feature`` that do not hold."""
+    rows = [row for row in NAMES if feature in row.features and applies(row)]
+    return {row.label: p for row in rows if (p := problem(row)) is not None}
 
 
 def applies(row):

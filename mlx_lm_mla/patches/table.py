@@ -17,6 +17,9 @@ REUSE = "prompt cache reuse guards"
 DISK = "prompt caches on disk"
 RECOVERY = "recovery after a failure"
 SAMPLING = "sampling guards"
+# Not a patch: the commands that build tiny models (repro, tiny-model) check
+# the names they read before they run.
+TINY = "tiny models (repro, tiny-model)"
 
 
 def decode_feature(module):
