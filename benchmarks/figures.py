@@ -47,7 +47,8 @@ VARIANTS = {"stock": "stock bf16", "ours": "bf16", "ours8": "8-bit", "ours4": "4
 
 
 def decode_speed(data, table=None):
-    """Whole-model decode (default) or one layer's attention (``attention``)."""
+    """Whole-model decode (default; ``targets``: the rows that have one) or
+    one layer's attention (``attention``)."""
     if table == "attention":
         header = ["context", "batch", "variant", "ms", "x stock", "floor MB", "GB/s"]
         rows = [
@@ -62,8 +63,13 @@ def decode_speed(data, table=None):
              f"{r['ratio']:.2f}", f"{r['transient_mib']:.1f}",
              f">= {r['target']:.1f}: {'met' if r['met'] else 'missed'}" if "target" in r else "-")
             for r in data["decode_rows"]
+            if table != "targets" or (r["context"], r["batch"]) in _with_targets(data)
         ]
     return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def _with_targets(data):
+    return {(r["context"], r["batch"]) for r in data["decode_rows"] if "target" in r}
 
 
 def peak_memory(data, table=None):
@@ -113,11 +119,14 @@ def fidelity(data, table=None):
 
 
 def disk_ttft(data, table=None):
+    """Every prompt size (default) or the largest (``largest``)."""
+    largest = max(e["size"] for e in data["results"])
     header = ["model", "prompt chars", "prompt tokens", "restored tokens", "cold TTFT s", "warm TTFT s",
               "warm / cold", "disk B/token/layer"]
     rows = [(e["variant"], f"{e['size']:,}", f"{e['prompt_tokens_warm']:,}", f"{e['cached_tokens_warm']:,}",
              f"{e['ttft_cold']:.2f}", f"{e['ttft_warm']:.2f}", f"{100 * e['warm_over_cold']:.1f} %",
-             f"{e['bytes_per_token_per_layer']:,.0f}") for e in data["results"]]
+             f"{e['bytes_per_token_per_layer']:,.0f}") for e in data["results"]
+            if table != "largest" or e["size"] == largest]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
