@@ -64,7 +64,7 @@ def test_the_model_table_has_a_row_per_mla_model(command_table):
 
 def test_the_readme_is_short_and_starts_with_the_quick_start():
     lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) < 280
+    assert len(lines) < 250
     headings = [line for line in lines if line.startswith("## ")]
     assert headings[0] == "## Quick start"
 
@@ -128,3 +128,22 @@ def test_mlx_lm_mla_help_lists_the_commands():
     assert out.returncode == 0, out.stderr
     for command in ("repro", "serve", "lmstudio", "tiny-model"):
         assert re.search(rf"^\s+{re.escape(command)}\s", out.stdout, re.M), command
+
+
+def readme_repro():
+    text = README.read_text(encoding="utf-8")
+    block = text.split("What `repro` prints", 1)[1].split("```\n", 2)[1]
+    return block.rstrip("\n").splitlines()
+
+
+def test_the_readmes_repro_output_is_what_repro_prints():
+    out = run("-m", "mlx_lm_mla", "repro")
+    assert out.returncode == 0, out.stderr
+    printed, quoted = out.stdout.splitlines(), readme_repro()
+    version = re.search(r"stock mlx-lm (\S+)", quoted[0]).group(1)
+    if version == mlx_lm.__version__:
+        start = printed.index(quoted[0])
+        assert printed[start : start + len(quoted)] == quoted
+    else:  # another mlx-lm (CI's other legs): the same rows, as labelled
+        labels = [line[:24] for line in quoted]
+        assert all(any(p.startswith(label) for p in printed) for label in labels)
