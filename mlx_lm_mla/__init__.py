@@ -3,8 +3,7 @@
     import mlx_lm_mla
     mlx_lm_mla.install()   # MLA caches quantize their latent, in place
 
-Importing this package is cheap: the caches and the patches load on first
-use, so the start-up hook (``activate.py``) costs next to nothing.
+The caches and patches load on first use, so the start-up hook costs little.
 """
 
 import importlib

@@ -3,10 +3,19 @@
 import sys
 
 COMMANDS = {
-    "repro": ("mlx_lm_mla.repro", "replay the reported failure: stock mlx-lm against the fix"),
+    "repro": (
+        "mlx_lm_mla.repro",
+        "replay the reported failure: stock mlx-lm against the fix",
+    ),
     "serve": ("mlx_lm_mla.serve", "run mlx_lm.server with the fix (same flags)"),
-    "lmstudio": ("mlx_lm_mla.lmstudio", "install|status|uninstall the fix in LM Studio's MLX engine"),
-    "cache-dir": ("mlx_lm_mla.disk.command", "stats|clear DIR: the prompt caches on disk (--prompt-cache-dir)"),
+    "lmstudio": (
+        "mlx_lm_mla.lmstudio",
+        "install|status|uninstall the fix in LM Studio's MLX engine",
+    ),
+    "cache-dir": (
+        "mlx_lm_mla.disk.command",
+        "stats|clear DIR: the prompt caches on disk (--prompt-cache-dir)",
+    ),
     "tiny-model": ("mlx_lm_mla.tiny", "write a tiny random MLA model to try it on"),
 }
 

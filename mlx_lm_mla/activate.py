@@ -1,12 +1,8 @@
 """Turns the fix on in every Python process that imports ``mlx_lm``.
 
-Installing the package puts ``mlx_lm_mla.pth`` in site-packages. Python runs
-it at start-up, and it calls ``watch()``, which only adds an import hook
-(``importhook.py``): no mlx or mlx-lm import happens then. When ``mlx_lm``
-finishes importing, the hook calls ``mlx_lm_mla.install()``. So
-``python -m mlx_lm.server``, ``mlx_lm.generate`` and servers that import
-``mlx_lm`` get the fix with no change to their code.
-``MLX_LM_MLA_DISABLE=1`` turns it off.
+``mlx_lm_mla.pth`` calls ``watch()`` at start-up, which only adds an import hook;
+once ``mlx_lm`` is imported the hook calls ``install()``. ``MLX_LM_MLA_DISABLE=1``
+turns it off.
 """
 
 import os
@@ -36,7 +32,9 @@ def _activate(mlx_lm):
 
         from . import __version__
 
-        getLogger("mlx_lm_mla").info("mlx-lm-mla %s active (%d patches)", __version__, len(patched))
+        getLogger("mlx_lm_mla").info(
+            "mlx-lm-mla %s active (%d patches)", __version__, len(patched)
+        )
 
 
 def watch():

@@ -1,15 +1,8 @@
 """Quantized caches for Multi-head Latent Attention (MLA) layers.
 
-An MLA layer (DeepSeek-V3, GLM-4.7-Flash, Kimi, LongCat, ...) caches a
-latent ``(B, 1, L, kv_lora_rank)`` in the keys slot and the RoPE key
-``(B, 1, L, qk_rope_head_dim)`` in the values slot of a ``KVCache``. Plain
-caches serve them well; only quantization goes wrong, since
-``QuantizedKVCache`` hands the model lists where it expects arrays.
-
-The caches here subclass stock's, so other programs that know stock's class
-names keep working; ``patches/quantize.py`` turns a stock cache into one of
-them in place. The upstream form of the fix is its own code, outside the
-package (``upstream/``).
+An MLA layer caches a latent ``(B, 1, L, kv_lora_rank)`` as keys and the RoPE key
+as values. Stock's ``QuantizedKVCache`` hands the model lists where it expects
+arrays; these caches subclass stock's and keep the quantized latent as bytes.
 """
 
 import copy
@@ -27,8 +20,7 @@ def _one_head(cache):
 
 
 def is_latent_layout(cache):
-    """The shape rule, for a cache no model has written: one head, keys (the
-    latent) and values (the RoPE key) of different, non-zero widths."""
+    """One head; keys (latent) and values (RoPE key) of different non-zero widths."""
     return _one_head(cache) and cache.keys.shape[-1] != cache.values.shape[-1]
 
 
@@ -41,35 +33,35 @@ _META = hasattr(KVCache, "meta_state")  # mlx-lm 0.31 saves a meta_state
 
 
 def dequantize_bytes(packed, scales, biases, group_size, bits, dtype=None):
-    """``mx.dequantize`` of a packed latent held as bytes, in ``dtype`` (the
-    scales' by default). On the CPU, for 2, 4 and 8 bits, the same
-    arithmetic as elementwise ops: MLX's CPU kernel is 2-3x slower and holds
-    several latents' worth of memory at its peak (``benchmarks/peak_memory.py``)."""
+    """``mx.dequantize`` of a latent packed as bytes, in ``dtype`` (default: the
+    scales'). On the CPU, for 2, 4 and 8 bits, elementwise ops instead: MLX's CPU
+    kernel is slower and peaks higher (``benchmarks/peak_memory.py``)."""
     if bits not in (2, 4, 8) or mx.default_device().type != mx.cpu:
-        latent = mx.dequantize(mx.view(packed, mx.uint32), scales, biases, group_size=group_size, bits=bits)
+        latent = mx.dequantize(
+            mx.view(packed, mx.uint32), scales, biases, group_size=group_size, bits=bits
+        )
         return latent if dtype is None else latent.astype(dtype)
-    if dtype is not None:  # the scales in dtype give the latent in dtype
+    if dtype is not None:
         scales, biases = scales.astype(dtype), biases.astype(dtype)
     lead = packed.shape[:-1]
     q = packed.reshape(*lead, scales.shape[-1], -1)  # the bytes of each group
     if bits < 8:  # unpack in one broadcast op, the low bits first
         shifts = mx.array(list(range(0, 8, bits)), dtype=mx.uint8)
-        q = ((q[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, scales.shape[-1], -1)
+        q = ((q[..., None] >> shifts) & ((1 << bits) - 1)).reshape(
+            *lead, scales.shape[-1], -1
+        )
     # uint8 times the scales' dtype: no separate cast, one intermediate fewer.
     return (q * scales[..., None] + biases[..., None]).reshape(*lead, -1)
 
 
-# Serialized formats start with the layout's name.
 LAYOUT = "packed-keys"
 
 
 class _PackedLatent:
-    """Stores the quantized latent as bytes in the base cache, one row per
-    token, so the base class moves whole tokens in every op: the keys hold
-    only the packed latent, so a decode step reads them in place, and the
-    values hold the RoPE key, then the scales and biases. No ``bits``
-    attribute: models would take quantized attention, MLA needs the latent.
-    """
+    """Keeps the quantized latent as bytes in the base cache, one row per token, so
+    the base class's ops move whole tokens: keys hold the packed latent (read in
+    place by decode), values the RoPE key, scales and biases. No ``bits``
+    attribute: models would take quantized attention, MLA needs the latent."""
 
     def _set_format(self, group_size, bits, width, dtype, rope_width, rope_dtype):
         # Plain values (dtype names), so deepcopy and save work.
@@ -91,9 +83,13 @@ class _PackedLatent:
                 f"widths {w} and {rw}"
             )
         # Other dtypes are cast, as KVCache does.
-        packed, scales, biases = mx.quantize(latent.astype(getattr(mx, d)), group_size=g, bits=b)
+        packed, scales, biases = mx.quantize(
+            latent.astype(getattr(mx, d)), group_size=g, bits=b
+        )
         rope = rope.astype(getattr(mx, rd))
-        values = mx.concatenate([mx.view(x, mx.uint8) for x in (rope, scales, biases)], axis=-1)
+        values = mx.concatenate(
+            [mx.view(x, mx.uint8) for x in (rope, scales, biases)], axis=-1
+        )
         return mx.view(packed, mx.uint8), values
 
     def _decode(self, keys, values):
@@ -104,11 +100,16 @@ class _PackedLatent:
     def _latent(self, keys, values, dtype=None):
         g, b, _, d, _, _ = self._format
         _, s, r = self._sizes()
-        scales, biases = (mx.view(x, getattr(mx, d)) for x in (values[..., r : r + s], values[..., r + s :]))
+        scales, biases = (
+            mx.view(x, getattr(mx, d))
+            for x in (values[..., r : r + s], values[..., r + s :])
+        )
         return dequantize_bytes(keys, scales, biases, g, b, dtype)
 
     def update_and_fetch(self, latent, rope):
-        latent, rope = self._decode(*super().update_and_fetch(*self._encode(latent, rope)))
+        latent, rope = self._decode(
+            *super().update_and_fetch(*self._encode(latent, rope))
+        )
         # Known by identity, so decode attention can read the bytes instead.
         self._fetched = (weakref.ref(latent), weakref.ref(self.keys))
         return latent, rope
@@ -118,7 +119,11 @@ class _PackedLatent:
         from this cache's bytes, if ``latent`` is what it last fetched (never
         evaluated then: the bytes are read a chunk at a time instead)."""
         latent_ref, keys_ref = vars(self).get("_fetched", (None, None))
-        if latent_ref is None or latent_ref() is not latent or keys_ref() is not self.keys:
+        if (
+            latent_ref is None
+            or latent_ref() is not latent
+            or keys_ref() is not self.keys
+        ):
             return None
         n = latent.shape[2]
         keys, values = self.keys[..., :n, :], self.values[..., :n, :]
@@ -132,8 +137,7 @@ class _PackedLatent:
         return read
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Returns ``self``. Other settings are refused: requantizing would
-        add error silently."""
+        """``self``; other settings are refused: requantizing adds error silently."""
         if (int(group_size), int(bits)) != (self.group_size, self.latent_bits):
             raise ValueError(
                 f"{type(self).__name__} is quantized with group_size "
@@ -163,7 +167,7 @@ class _PackedLatent:
         if not _META:
             self._check_bytes()
 
-    if _META:  # meta_state exists only where mlx-lm has one
+    if _META:
 
         @property
         def meta_state(self):
@@ -195,7 +199,7 @@ class _PackedLatent:
 
     def _check_bytes(self):
         (w, s, r), keys, values = self._sizes(), self.keys, self.values
-        if keys is None and values is None:  # an empty cache: nothing stored yet
+        if keys is None and values is None:
             return
         shapes = [getattr(x, "shape", type(x).__name__) for x in (keys, values)]
         if not (
@@ -220,8 +224,7 @@ class QuantizedLatentCache(_PackedLatent, KVCache):
 
 
 class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
-    """A ``BatchKVCache`` whose latent is quantized, every row. Exact rows
-    that join it keep their precision (``BatchMixedLatentCache``)."""
+    """A ``BatchKVCache`` whose latent is quantized, every row."""
 
     def filter(self, batch_indices):
         super().filter(_ints(batch_indices))
@@ -281,7 +284,9 @@ def extend_latent(batch, other, extend):
         if batch.offset.size == 0:  # no rows: it takes the other's kind
             quantize_latent(batch, *_settings(other), like=_packed(other))
         else:
-            packed = quantize_latent(copy.copy(batch), *_settings(other), like=_packed(other))
+            packed = quantize_latent(
+                copy.copy(batch), *_settings(other), like=_packed(other)
+            )
             _mixed(batch, packed, False)
         return batch.extend(other)
     return extend(other)
@@ -307,8 +312,7 @@ def _packed(cache):
 
 
 def _decoded(cache, cls):
-    """A ``cls`` (KVCache, BatchKVCache) holding what a quantized cache's
-    rows read: its latent as its bytes decode, its RoPE key."""
+    """A ``cls`` holding what a quantized cache's rows read, the latent decoded."""
     plain = copy.copy(cache)
     for name in ("_format", "group_size", "latent_bits", "_fetched"):
         vars(plain).pop(name, None)
@@ -327,10 +331,9 @@ def _plain(mixed):
 
 
 def _mixed(batch, packed, quantized):
-    """Turns ``batch``, which holds the latent as its rows read it, into a
-    ``BatchMixedLatentCache`` in place, beside ``packed`` (the same rows'
-    bytes); every row is ``quantized`` or none is, until rows of the other
-    kind join."""
+    """Turns ``batch`` (the latent as its rows read it) into a
+    ``BatchMixedLatentCache`` in place, beside ``packed``, the same rows' bytes;
+    ``quantized`` flags every row alike."""
     batch.__class__ = BatchMixedLatentCache
     batch.packed, batch.quantized = packed, _flags([quantized] * batch.offset.size)
     return batch
@@ -348,10 +351,9 @@ def _flags(values):
 
 
 def quantize_rows(batch, rows, group_size: int = 64, bits: int = 4):
-    """Quantizes the latent of the given rows of a batch in place; every
-    other row stays as it is. From then on each of those rows reads what it
-    would read alone, quantized; the batch turns into a
-    ``BatchQuantizedLatentCache`` once all its rows are."""
+    """Quantizes the latent of ``rows`` of a batch in place, each then reading what
+    it would read alone; the batch becomes a ``BatchQuantizedLatentCache`` once
+    all its rows are."""
     if isinstance(batch, BatchQuantizedLatentCache) or not rows:
         return batch
     if not isinstance(batch, BatchMixedLatentCache):
@@ -363,24 +365,23 @@ def quantize_rows(batch, rows, group_size: int = 64, bits: int = 4):
 
 
 class BatchMixedLatentCache(BatchKVCache):
-    """A batch whose rows are quantized each on its own, so that a row's
-    precision depends on that row alone: ``mlx_lm.server --kv-bits`` gives
-    the same text to a request whatever requests share its batch.
+    """A batch whose rows are quantized each on its own, so a row's precision
+    depends on that row alone: ``--kv-bits`` gives a request the same text
+    whatever requests share its batch.
 
-    It holds the latent as each row reads it (a ``BatchKVCache``: exact for
-    some rows, for the others as their quantized bytes decode) beside the
-    quantized bytes of every row (``packed``, a ``BatchQuantizedLatentCache``
-    of the same geometry); ``quantized`` says which rows read their bytes.
-    So it holds both while rows of both kinds share it, and turns into
-    ``packed`` once every row is quantized, or into a plain ``BatchKVCache``
-    once none is.
+    It holds the latent as each row reads it beside every row's bytes
+    (``packed``, a ``BatchQuantizedLatentCache``); ``quantized`` flags the rows
+    that read their bytes. It becomes ``packed`` once every row is quantized, a
+    plain ``BatchKVCache`` once none is.
     """
 
     def update_and_fetch(self, latent, rope):
         keys, values = self.packed._encode(latent, rope)
         BatchKVCache.update_and_fetch(self.packed, keys, values)  # bytes, not decoded
         decoded, _ = self.packed._decode(keys, values)
-        latent = mx.where(self.quantized[:, None, None, None], decoded, latent.astype(decoded.dtype))
+        latent = mx.where(
+            self.quantized[:, None, None, None], decoded, latent.astype(decoded.dtype)
+        )
         return super().update_and_fetch(latent, rope)
 
     def _quantize(self, rows):
@@ -394,8 +395,7 @@ class BatchMixedLatentCache(BatchKVCache):
         self.keys = mx.where(self.quantized[:, None, None, None], decoded, self.keys)
 
     def _settle(self):
-        """Turns into ``packed`` if every row is quantized, into a plain
-        batch if none is. True if it turned."""
+        """Becomes ``packed`` if every row is quantized, plain if none; True if so."""
         flags = self.quantized.tolist()
         if flags and all(flags):
             _become(self, self.packed)
@@ -423,16 +423,24 @@ class BatchMixedLatentCache(BatchKVCache):
         indices = _ints(batch_indices)
         super().filter(indices)
         self.packed.filter(indices)
-        self.quantized = self.quantized[mx.array(indices, dtype=mx.int32)] if indices else _flags([])
+        self.quantized = (
+            self.quantized[mx.array(indices, dtype=mx.int32)] if indices else _flags([])
+        )
         self._settle()
 
     def extend(self, other):
         if isinstance(other, BatchMixedLatentCache):
             plain, packed, flags = _plain(other), other.packed, other.quantized
         elif isinstance(other, _PackedLatent):
-            plain, packed, flags = _decoded(other, BatchKVCache), other, _flags([True] * other.offset.size)
+            plain, packed, flags = (
+                _decoded(other, BatchKVCache),
+                other,
+                _flags([True] * other.offset.size),
+            )
         else:
-            packed = quantize_latent(copy.copy(other), *_settings(self), like=self.packed)
+            packed = quantize_latent(
+                copy.copy(other), *_settings(self), like=self.packed
+            )
             plain, flags = other, _flags([False] * other.offset.size)
         BatchKVCache.extend(self, plain)
         self.packed.extend(packed)
@@ -447,7 +455,9 @@ class BatchMixedLatentCache(BatchKVCache):
     @classmethod
     def merge(cls, caches):
         packed = BatchQuantizedLatentCache.merge(caches)
-        plain = [_decoded(c, KVCache) if isinstance(c, _PackedLatent) else c for c in caches]
+        plain = [
+            _decoded(c, KVCache) if isinstance(c, _PackedLatent) else c for c in caches
+        ]
         batch = BatchKVCache.merge(plain)
         batch.__class__ = cls
         batch.packed = packed
@@ -460,15 +470,12 @@ class BatchMixedLatentCache(BatchKVCache):
 
 
 class QuantizedRotatingLatentCache(_PackedLatent, RotatingKVCache):
-    """A ``RotatingKVCache`` whose latent is quantized. Stock cannot quantize
-    a rolling window at all; a latent window can, since the base class
-    rotates the latent's bytes like any keys. It serves one sequence: its
-    merge, ``BatchRotatingKVCache.merge``, refuses it (patches/quantize.py).
-    Run time only: the upstream form refuses to quantize a window, as stock
-    does for every model."""
+    """A ``RotatingKVCache`` whose latent is quantized: the base class rotates the
+    latent's bytes like any keys (stock cannot quantize a window). One sequence
+    only: ``BatchRotatingKVCache.merge`` refuses it (patches/quantize.py). The
+    upstream form refuses to quantize a window, as stock does."""
 
 
-# Which quantized class each cache class turns into.
 QUANTIZED_LATENT = {
     KVCache: QuantizedLatentCache,
     BatchKVCache: BatchQuantizedLatentCache,

@@ -1,12 +1,6 @@
-"""The checksum of the package's prompt cache files: the ones its
-``save_prompt_cache`` writes for a latent cache (``patches/files.py``) and
-the disk tier's (``disk/``). It sits below both.
-
-A file's checksum is one metadata entry, ``mlx_lm_mla_crc32``:
-``file-crc32:`` and the CRC-32 of every byte of the file (its header
-included) with the checksum's own eight digits read as zeros. A save is
-run once into a sink that keeps nothing to learn it (``add_checksum``), so
-the file is written once, and its size is known before it is written.
+"""The checksum of the package's prompt cache files (``patches/files.py``, ``disk/``):
+a metadata entry holding the CRC-32 of the whole file, header included, with its
+own digits read as zeros. A save into a sink learns it (and the size) first.
 """
 
 import io
@@ -46,9 +40,7 @@ class _Sink(io.RawIOBase):
 
 
 def add_checksum(save, cache, metadata):
-    """Puts into ``metadata`` the checksum of the file that ``save`` (a
-    ``save_prompt_cache``) writes for ``cache`` with it. Returns the size of
-    that file in bytes."""
+    """Puts into ``metadata`` the checksum of what ``save`` writes; returns its size."""
     metadata[CHECKSUM] = _BLANK
     sink = _Sink()
     save(sink, cache, metadata)
@@ -57,10 +49,8 @@ def add_checksum(save, cache, metadata):
 
 
 def check_cache_file(path):
-    """Checks that a ``.safetensors`` prompt cache file is whole, with the
-    safetensors library (a readable header, every tensor's bytes exactly
-    inside the file), and, where the file has a checksum, that it matches.
-    Older MLX reads past the end of a truncated file without an error."""
+    """Checks a prompt cache file is whole, with safetensors (older MLX reads past
+    the end of a truncated file), and that its checksum, if any, matches."""
     path = os.fspath(path)
     try:
         with safe_open(path, framework="numpy") as f:
@@ -90,8 +80,7 @@ def check_cache_file(path):
 
 
 def _crc_before_data(value, count, head, header):
-    """The CRC-32 of what precedes the data, as ``value``'s form counts it,
-    or None where the header cannot hold that checksum."""
+    """The CRC-32 of what precedes the data as ``value``'s form counts it, or None."""
     quoted = f'"{value}"'.encode()
     if count != 1:
         return None

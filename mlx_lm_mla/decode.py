@@ -1,26 +1,19 @@
 """MLA decode attention that reads the latent once.
 
-In a single-token decode step of an MLA layer every query head attends over
-the same latent, which is both its keys and its values. mlx-lm hands it to
-``scaled_dot_product_attention`` as one KV head, which reads it once per
-query head. Here the heads are the columns of one matmul per sequence, and
-the latent is read a chunk at a time: a quantized latent is decoded from its
-packed bytes chunk by chunk (an online softmax joins the chunks), so a step
-never holds the whole latent expanded.
+mlx-lm's one-KV-head attention reads the latent (keys and values alike) once per
+query head. Here the heads are the columns of one matmul, and the latent, decoded
+from its bytes if quantized, is read a chunk at a time under an online softmax.
 """
 
 import mlx.core as mx
 
-# Bytes of latent one chunk holds as computed: the step's transient is a few
-# chunks (MLX schedules a bounded number of ops ahead), never the latent. The
-# CPU figure is measured (benchmarks/decode_speed.py); a GPU wants fewer,
-# larger matmuls, and its figure is not measured yet.
+# Bytes of latent per chunk: a step holds a few chunks, never the latent. The
+# CPU value is measured (benchmarks/decode_speed.py), the GPU's not yet.
 CHUNK_BYTES = {"cpu": 1 << 20, "gpu": 32 << 20}
 
 
 def is_latent_decode(queries, keys, values, mask, sinks=None):
-    """Whether an attention call is an MLA decode step: one query position of
-    several heads over one head that serves as both keys and values."""
+    """One query position of several heads over one head that is keys and values."""
     return (
         sinks is None
         and keys is values
@@ -47,9 +40,7 @@ def chunk_size(batch, width, dtype):
 
 
 def latent_reader(cache, latent):
-    """``read(start, stop, dtype, after)`` of the cache's packed rows behind
-    ``latent``, if ``latent`` is what the cache (or a member of a CacheList)
-    last fetched; else None."""
+    """``read`` of the cache (or CacheList member) that last fetched ``latent``."""
     for c in [cache, *getattr(cache, "caches", ())]:
         reader = getattr(c, "latent_reader", None)
         read = reader(latent) if callable(reader) else None
@@ -59,18 +50,18 @@ def latent_reader(cache, latent):
 
 
 def latent_attention(queries, latent, scale, mask=None, read=None):
-    """``softmax(scale * q @ latent.T + mask) @ latent`` for every head of
-    ``queries`` (B, H, 1, D) over ``latent`` (B, 1, L, D), as
-    ``mx.fast.scaled_dot_product_attention`` computes it with one KV head.
-
-    ``read(start, stop, dtype, after)``, where given, returns rows of the
-    latent (a quantized cache's, decoded), read only once ``after`` is
-    computed; used instead of slicing ``latent``."""
+    """``softmax(scale * q @ latent.T + mask) @ latent`` for ``queries`` (B, H, 1, D)
+    over ``latent`` (B, 1, L, D); ``read``, where given, returns its rows instead
+    of slicing it (``_PackedLatent.latent_reader``)."""
     B, H, _, D = queries.shape
     L = latent.shape[2]
     dtype = compute_dtype(queries.dtype)
     if read is None:
-        read = lambda a, b, t, after: _after(latent[..., a:b, :], after).astype(t)  # noqa: E731
+        read = (
+            lambda a, b, t, after: (  # noqa: E731
+                _after(latent[..., a:b, :], after).astype(t)
+            )
+        )
     # Heads as columns: scores come out (B, 1, positions, H).
     q = (queries * scale).astype(dtype).reshape(B, 1, H, D).swapaxes(-1, -2)
     q = mx.contiguous(q)
@@ -114,14 +105,19 @@ def _masked(scores, mask):
 
 
 def folded_attention(original):
-    """``scaled_dot_product_attention`` of an MLA model's module that runs
-    decode steps through ``latent_attention``; anything else as ``original``."""
+    """``scaled_dot_product_attention`` that decodes through ``latent_attention``."""
 
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if is_latent_decode(queries, keys, values, mask, sinks) and not hasattr(cache, "bits"):
+    def scaled_dot_product_attention(
+        queries, keys, values, cache, scale, mask, sinks=None
+    ):
+        if is_latent_decode(queries, keys, values, mask, sinks) and not hasattr(
+            cache, "bits"
+        ):
             read = latent_reader(cache, keys)
             return latent_attention(queries, keys, scale, mask, read)
-        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return original(
+            queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
+        )
 
     scaled_dot_product_attention.mlx_lm_mla_original = original
     return scaled_dot_product_attention

@@ -1,14 +1,7 @@
-"""Calls back when a module finishes importing: an import hook (a meta path
-finder) that wraps the real loader of the modules asked for.
-
-- ``after_import(name, callback)`` calls ``callback(module)`` once ``name``
-  has been imported, or now if it has been.
-- A callback that fires while one of this package's own modules is still
-  importing (``import mlx_lm_mla.cache`` imports ``mlx_lm`` first) waits
-  until none is, so it never meets a half-imported module of ours.
-- ``python -m mlx_lm.server``: runpy would run the server's source as
-  ``__main__``, a second copy whose classes no callback ever sees; the hook
-  hands runpy code that imports ``mlx_lm.server`` and calls its ``main()``.
+"""Calls back when a module finishes importing, through a meta path finder that
+wraps the real loader. A callback that fires while one of our modules is still
+importing waits until none is. ``python -m mlx_lm.server`` runs the imported
+module's ``main()``: runpy's ``__main__`` copy would be one no callback sees.
 """
 
 import sys
@@ -23,8 +16,7 @@ _waiting = []  # (callback, module) that fired while one of ours was importing
 
 
 def after_import(name, callback):
-    """Calls ``callback(module)`` when ``name`` finishes importing; now if it
-    has (a module with no ``__spec__._initializing`` left is imported)."""
+    """Calls ``callback(module)`` when ``name`` finishes importing, now if it has."""
     module = sys.modules.get(name)
     spec = getattr(module, "__spec__", None)
     if module is not None and not getattr(spec, "_initializing", False):
@@ -50,7 +42,7 @@ def _imported(name, module):
 
 
 class _Loader:
-    """Runs the real loader, then the callbacks. Anything else goes to the real one."""
+    """Runs the real loader, then the callbacks."""
 
     def __init__(self, loader, name):
         self._loader = loader
@@ -76,7 +68,9 @@ class _Loader:
     def get_code(self, name):
         # Only runpy asks for the code of these (imports use exec_module).
         if name in RUN_IMPORTED:
-            return compile(RUN_IMPORTED[name], f"<mlx-lm-mla: python -m {name}>", "exec")
+            return compile(
+                RUN_IMPORTED[name], f"<mlx-lm-mla: python -m {name}>", "exec"
+            )
         return self._loader.get_code(name)
 
     def __getattr__(self, name):
@@ -86,7 +80,11 @@ class _Loader:
 class _Finder:
     # A plain meta path finder: importlib.abc would pull in importlib.resources.
     def find_spec(self, name, path, target=None):
-        if name not in _callbacks and name not in RUN_IMPORTED and not name.startswith(OURS):
+        if (
+            name not in _callbacks
+            and name not in RUN_IMPORTED
+            and not name.startswith(OURS)
+        ):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

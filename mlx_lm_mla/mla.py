@@ -1,22 +1,10 @@
-"""Which models are MLA, and which caches hold their latent: known from the
-attention that writes them. The one place that knows: the patches, the
-tiny test models, the README's model table and the upstream form's tests
-(which check that its patch covers every model found here) all read it.
+"""Which models are MLA, and which caches hold their latent.
 
-An MLA attention (DeepSeek-V3, GLM-4.7-Flash, Kimi, LongCat, ...) writes its
-compressed latent and RoPE key into one cache. Their widths say nothing
-reliable: a latent may be as wide as its RoPE key, and a per-head cache of
-another model may have one head and keys wider than its values. So the
-package reads the installed mlx-lm's model sources once, finds the MLA
-attention classes and which cache each one writes, and ``install()`` wraps
-their ``__call__`` to mark that cache. A mark is an attribute of the cache
-object, so copies and deepcopies keep it, and every caller writes a cache
-through its model before it quantizes it.
-
-- marked ``True``: an MLA attention wrote it;
-- marked ``False``: it belongs to a model with no MLA attention;
-- no mark (a bare cache, or one just restored from a file): the shape rule
-  of ``is_latent_layout``.
+Widths say nothing reliable (a latent may be as wide as its RoPE key), so the
+installed mlx-lm's model sources are read once for the MLA attention classes and
+the cache each writes; ``install()`` wraps their ``__call__`` to mark that cache
+(an attribute, so copies keep it). Marked True: an MLA attention wrote it; False:
+its model has none; unmarked (bare, or restored from a file): ``is_latent_layout``.
 """
 
 import ast
@@ -34,8 +22,7 @@ MARK = "_mlx_lm_mla_latent"
 # DeepSeek-V2 and MiniCPM3 expand the latent to per-head K/V and have neither.
 _LATENT_FIELDS = {"kv_lora_rank", "embed_q"}
 
-# {attention class: which cache it writes: None for the one it is handed,
-# an index for a member of a CacheList}. Filled by install().
+# {attention class: None for the cache it is handed, or its CacheList member}.
 ATTENTION = {}
 
 
@@ -56,15 +43,13 @@ _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 @functools.lru_cache(maxsize=None)
 def source_tree(path):
-    """The parsed source of a file, parsed once: the MLA scan and the
-    contract's checks (``patches/contract.py``) read the same modules."""
+    """The parsed source of a file, parsed once (the contract reads it too)."""
     with open(path, encoding="utf-8") as f:
         return ast.parse(f.read())
 
 
 def definition(obj):
-    """The ``class`` or ``def`` of a class or function in its module's
-    source, found by its qualified name; None where it has none there."""
+    """The ``class`` or ``def`` of ``obj`` in its module's source, or None."""
     try:
         node = source_tree(inspect.getsourcefile(obj))
     except (TypeError, OSError, SyntaxError):
@@ -80,8 +65,8 @@ def definition(obj):
 
 
 def _written(call, name):
-    """The caches ``call`` (a ``__call__`` def) writes through its argument
-    ``name``: None for ``name.update_and_fetch``, i for ``name[i].update_and_fetch``."""
+    """What ``call`` writes through ``name``: None for ``name.update_and_fetch``,
+    i for ``name[i].update_and_fetch``."""
     found = set()
     for node in ast.walk(call):
         if not (isinstance(node, ast.Attribute) and node.attr == "update_and_fetch"):
@@ -101,8 +86,7 @@ def _written(call, name):
 
 
 def scan_source(source):
-    """{class name: the cache it writes} for the MLA attention classes of a
-    model module's source, and the names of those it cannot tell."""
+    """{MLA attention class name: the cache it writes}, and those it cannot tell."""
     return _scan(ast.parse(source))
 
 
@@ -124,12 +108,12 @@ def _scan(tree):
 
 
 def find_attention(models_dir):
-    """[(module name, class name, member)] of the MLA attention classes in an
-    mlx-lm ``models`` folder, and [(module, class)] it could not read."""
+    """[(module, class, member)] of the MLA attentions in a ``models`` folder, and
+    [(module, class)] it could not read."""
     found, unclear = [], []
     for path in sorted(Path(models_dir).glob("*.py")):
         source = path.read_text(encoding="utf-8")
-        if not all(f in source for f in _LATENT_FIELDS):  # cheap before parsing
+        if not all(f in source for f in _LATENT_FIELDS):
             continue
         classes, unknown = _scan(source_tree(str(path)))
         found += [(path.stem, name, member) for name, member in classes.items()]
@@ -138,46 +122,53 @@ def find_attention(models_dir):
 
 
 def model_types(models_dir):
-    """{model type: the module of its MLA attention} for an mlx-lm ``models``
-    folder: the modules that define an MLA attention, and those that wrap
-    one (import from such a module, as Kimi-VL wraps DeepSeek-V3)."""
+    """{model type: the module of its MLA attention}, wrappers included (Kimi-VL
+    imports DeepSeek-V3's)."""
     found, _ = find_attention(models_dir)
     types = {m: m for m, _, _ in found}
     for path in sorted(Path(models_dir).glob("*.py")):
         if path.stem in types:
             continue
         source = path.read_text(encoding="utf-8")
-        inner = [m for m in sorted(set(types.values())) if f"from .{m} import" in source]
+        inner = [
+            m for m in sorted(set(types.values())) if f"from .{m} import" in source
+        ]
         if inner:
             types[path.stem] = inner[0]
     return dict(sorted(types.items()))
 
 
 def calls(cls, name):
-    """Whether ``cls.__call__`` calls a function by the bare ``name`` (a
-    global of its module)."""
+    """Whether ``cls.__call__`` calls the global function ``name``."""
     node = definition(cls)
     if node is None:  # a class made at run time: read its own source
         try:
             node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
         except (OSError, TypeError, SyntaxError):
             return False
-    call = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__call__"), None)
+    call = next(
+        (
+            f
+            for f in node.body
+            if isinstance(f, ast.FunctionDef) and f.name == "__call__"
+        ),
+        None,
+    )
     return call is not None and any(
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == name
         for node in ast.walk(call)
     )
 
 
 def installed_model_types(package="mlx_lm"):
-    """``model_types`` of the installed mlx-lm."""
     models = importlib.import_module(f"{package}.models")
     return model_types(Path(models.__file__).parent)
 
 
 def load_attention(package="mlx_lm"):
-    """The installed mlx-lm's MLA attention classes: ``{class: member}``,
-    and what could not be read or imported, by name."""
+    """``{class: member}`` of the installed MLA attentions, and what failed, by name."""
     models = importlib.import_module(f"{package}.models")
     found, unclear = find_attention(Path(models.__file__).parent)
     classes, problems = {}, [f"{package}.models.{m}.{c}" for m, c in unclear]
@@ -215,7 +206,6 @@ def marking_call(original, member):
 
 
 def is_latent(cache) -> bool:
-    """Whether ``cache`` holds an MLA latent (see the module docstring)."""
     if isinstance(cache, _PackedLatent):
         return True
     known = getattr(cache, MARK, None)
@@ -236,14 +226,13 @@ def latent_modules(layer):
     return [m for _, m in layer.named_modules() if type(m) in ATTENTION]
 
 
-# What is found once per model instance while installed (its layers do not
-# change): id(model) -> {name: value}, dropped with the model.
+# id(model) -> {name: value}, dropped with the model.
 _FOUND = {}
 
 
 def found_once(model, name, find):
     """``find()``, remembered for ``model`` while the package is installed."""
-    if not ATTENTION:  # nothing is known while uninstalled
+    if not ATTENTION:
         return find()
     found = _FOUND.get(id(model))
     if found is None:
@@ -256,7 +245,9 @@ def found_once(model, name, find):
 
 def has_latent_attention(model) -> bool:
     return found_once(
-        model, "has_latent", lambda: any(latent_modules(layer) for layer in getattr(model, "layers", []))
+        model,
+        "has_latent",
+        lambda: any(latent_modules(layer) for layer in getattr(model, "layers", [])),
     )
 
 
@@ -270,10 +261,13 @@ def leaves(caches):
 
 
 def mark_model_caches(model, caches):
-    """The caches of a model with no MLA attention hold no latent, whatever
-    their widths; those of an MLA model are marked as its attention writes."""
+    """Marks the caches of a model with no MLA attention as holding no latent."""
     # Nothing is known while uninstalled (a wrapper someone bound by name).
-    if ATTENTION and isinstance(caches, (list, tuple)) and not has_latent_attention(model):
+    if (
+        ATTENTION
+        and isinstance(caches, (list, tuple))
+        and not has_latent_attention(model)
+    ):
         for c in leaves(caches):
             if getattr(c, MARK, None) is None:
                 mark(c, False)

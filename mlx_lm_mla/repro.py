@@ -1,14 +1,8 @@
 """Replays the failure users saw, with stock mlx-lm and with this package.
 
-A tiny GLM-4.7-Flash shaped model (``glm4_moe_lite``: real layer structure,
-small widths, random weights) serves sequential requests that share a
-prefix. Like LM Studio's engine, one live cache is trimmed to the common
-prefix and reused by the next request, with KV quantization on. With stock
-mlx-lm the first request that crosses ``quantized_kv_start`` fails with
-``'list' object has no attribute 'swapaxes'``, and so does every request
-after it, even a short one, since the cache objects themselves are broken.
-
-    python -m mlx_lm_mla repro
+A tiny ``glm4_moe_lite`` serves requests sharing a prefix through one live cache
+with KV quantization on, as LM Studio's engine does. Stock mlx-lm fails from the
+first request past ``quantized_kv_start`` on, short ones too: the cache is broken.
 """
 
 import argparse
@@ -83,9 +77,7 @@ def serve_requests(
             failed_short += short
             if first_error is None:
                 first_error = f"{type(e).__name__}: {e}"
-            # Start the next request from an empty cache, as a careful server
-            # would; stock mlx-lm keeps failing because the cache objects
-            # themselves were replaced by broken quantized ones.
+            # Start again from an empty cache, as a careful server would.
             trim_prompt_cache(cache, cache[0].offset)
             history = []
 

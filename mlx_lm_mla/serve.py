@@ -1,5 +1,4 @@
-"""``python -m mlx_lm_mla.serve``: mlx-lm's server, same flags, with the
-fix active even where the start-up hook is off."""
+"""mlx-lm's server, same flags, with the fix on even where the start-up hook is off."""
 
 import sys
 

@@ -1,24 +1,8 @@
-"""Tiny random-weight models of the real mlx-lm MLA architectures.
+"""Tiny random-weight models of the installed mlx-lm MLA architectures.
 
-``repro``, ``mlx-lm-mla tiny-model DIR``, the tests and the benchmarks need
-every Multi-head Latent Attention variant that mlx-lm ships, but the real
-checkpoints are huge and need a download. This module
-builds the installed mlx-lm model classes from small configs (hidden size 64,
-2-4 layers, vocab 256) with seeded random weights, and writes them to disk in
-the layout ``mlx_lm.load`` reads, with a local character-level tokenizer.
-
-The configs keep each architecture's real structure: a dense first layer
-before the MoE layers, both layer kinds of the hybrid linear/MLA models, the
-sparse-attention indexer of DeepSeek V3.2 and GLM-5, the two attention
-sublayers of LongCat-Flash and its n-gram embedding.
-
-``MLA_MODEL_TYPES`` lists the installed models whose cache holds the latent,
-``FULL_KV_MODEL_TYPES`` those with MLA projections that cache full keys and
-values. Example::
-
-    model, config = build_model("deepseek_v3")
-    path = save_model(tmp_path / "dsv3", "deepseek_v3", quantize_bits=6)
-    model, tokenizer = load(path)
+Small configs that keep each architecture's structure (dense first layer, hybrid
+layer kinds, sparse indexer, n-gram embedding), seeded weights, a local
+character-level tokenizer, written in the layout ``mlx_lm.load`` reads: no download.
 """
 
 import argparse
@@ -57,7 +41,6 @@ CHAT_TEMPLATE = (
 DEMO_WIDTHS = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
 DEMO_WEIGHT_BITS = 6
 
-# The latent widths every tiny MLA config shares.
 _MLA_DIMS = {
     "kv_lora_rank": 64,
     "qk_rope_head_dim": 16,
@@ -396,8 +379,7 @@ def _youtu_llm():
     }
 
 
-# A tiny config for each MLA model type (mla.model_types: the latent,
-# kv_lora_rank wide, one head, and the shared rope key are cached).
+# Models that cache the latent (mla.model_types).
 _MLA_CONFIGS = {
     "deepseek_v3": _deepseek_v3,
     "deepseek_v32": _deepseek_v32,
@@ -414,8 +396,7 @@ _MLA_CONFIGS = {
     "bailing_hybrid": _bailing_hybrid,
 }
 
-# Models with MLA-style projections that expand the latent and cache full
-# per-head keys and values.
+# MLA-style projections that cache full per-head keys and values.
 _FULL_KV_CONFIGS = {
     "deepseek_v2": _deepseek_v2,
     "minicpm3": _minicpm3,
@@ -468,20 +449,13 @@ def _installed(model_type: str) -> bool:
     return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
 
 
-# The MLA models the installed mlx-lm has, as mla.py finds them; one without
-# a tiny config here fails tiny_config by name.
 MLA_MODEL_TYPES = tuple(mla.installed_model_types())
 FULL_KV_MODEL_TYPES = tuple(t for t in _FULL_KV_CONFIGS if _installed(t))
 
 
 def tiny_config(model_type: str, **overrides) -> dict:
-    """A small config.json-style dict for ``model_type``.
-
-    Raises ``ValueError`` for a type without a tiny config. ``overrides``
-    replace keys of the language model config, which for
-    ``kimi_vl`` and ``kimi_k25`` is nested under ``text_config`` as in the
-    real checkpoints.
-    """
+    """A small config.json dict for ``model_type``; ``overrides`` replace keys of
+    the language model config (under ``text_config`` for the VL wrappers)."""
     make = (
         _MLA_CONFIGS.get(model_type)
         or _FULL_KV_CONFIGS.get(model_type)
@@ -529,17 +503,16 @@ def _mlx_lm_utils():
     problems = unmet(TINY)
     if problems:
         found = "; ".join(f"{label}: {why}" for label, why in problems.items())
-        raise RuntimeError(f"mlx-lm-mla cannot build tiny models with this mlx-lm: {found}")
+        raise RuntimeError(
+            f"mlx-lm-mla cannot build tiny models with this mlx-lm: {found}"
+        )
     return mlx_lm.utils
 
 
 def build_model(
     model_type: str, seed: int = 0, dtype: mx.Dtype = mx.float32, **overrides
 ) -> tuple[nn.Module, dict]:
-    """Instantiate the installed mlx-lm model for a tiny config.
-
-    Returns ``(model, config)``. The same seed gives the same weights.
-    """
+    """``(model, config)`` of the installed mlx-lm class; a seed gives its weights."""
     config = tiny_config(model_type, **overrides)
     model_class, model_args_class = _mlx_lm_utils()._get_classes(config)
     mx.random.seed(seed)
@@ -560,19 +533,12 @@ def save_model(
     group_size: int = 64,
     **overrides,
 ) -> Path:
-    """Write a tiny model that ``mlx_lm.load`` reads back.
-
-    Writes config.json, model.safetensors, its model.safetensors.index.json
-    (which ``mlx_lm.utils.sharded_load`` reads to find each layer's weights)
-    and the tokenizer files. The weights are those of ``build_model`` with the
-    same arguments, quantized with mlx-lm's own ``quantize_model`` if
-    ``quantize_bits`` is given.
-    """
+    """Writes ``build_model``'s model where ``mlx_lm.load`` reads it back (with the
+    index ``sharded_load`` reads), quantized by mlx-lm if ``quantize_bits``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model, config = build_model(model_type, seed, dtype, **overrides)
     if quantize_bits is not None:
-        # quantize_model prints the bits per weight.
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = _mlx_lm_utils().quantize_model(
                 model, config, group_size=group_size, bits=quantize_bits
@@ -615,11 +581,8 @@ def write_hub_stand_in(hub_dir, repo_id="mlx-community/Qwen1.5-0.5B-Chat-4bit"):
 
 
 def write_tokenizer(path) -> None:
-    """Write a character-level tokenizer that fits in ``VOCAB_SIZE`` ids.
-
-    The special tokens, then tab, newline, printable ASCII and Latin-1; any
-    other character maps to ``<unk>``. No download is needed to load it.
-    """
+    """A character-level tokenizer in ``VOCAB_SIZE`` ids: the special tokens, tab,
+    newline, printable ASCII and Latin-1; any other character is ``<unk>``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     chars = ["\t", "\n"] + [chr(c) for c in [*range(32, 127), *range(161, 256)]]
@@ -651,7 +614,6 @@ def write_tokenizer(path) -> None:
 
 
 def load(path):
-    """Load a saved tiny model with the real ``mlx_lm.load``."""
     return mlx_lm.load(str(path))
 
 
@@ -669,7 +631,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     path = Path(args.dir)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        # Never write over someone's files.
         parser.error(f"{path} exists and is not an empty folder")
     save_demo_model(path, args.model_type, args.seed)
     print(

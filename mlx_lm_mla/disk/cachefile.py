@@ -1,7 +1,5 @@
-"""One prompt cache file of the disk tier: mlx-lm's own
-``save_prompt_cache`` format (safetensors) with the package's checksum of
-the whole file (``checksum.py``) and the file's own record in its metadata:
-what it holds (the model, the settings, its tokens), enough to index it
+"""One prompt cache file of the disk tier: mlx-lm's ``save_prompt_cache`` format
+with the package's checksum and a record of what it holds, enough to index it
 again from the file alone."""
 
 import base64
@@ -17,11 +15,9 @@ RECORD = "mlx_lm_mla_disk"  # the file's record, in its metadata
 
 
 def snapshot(cache):
-    """Copies of a cache's layers holding its state as evaluated, contiguous
-    arrays, so the writer thread only writes bytes: it computes nothing
-    (MLX streams belong to the thread that made them) and never sees an
-    array the server changes later. Made on the server's generation thread;
-    the arrays are shared, not copied, where they are contiguous already."""
+    """Copies of a cache's layers holding evaluated, contiguous arrays, made on the
+    generation thread: the writer thread computes nothing (MLX streams belong to
+    the thread that made them) and never sees an array the server changes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
@@ -58,8 +54,7 @@ def record_tokens(record):
 
 
 def prepare(cache, record):
-    """The metadata to write ``cache`` with and the size of its file, known
-    before it is written (the checksum's pass counts it)."""
+    """The metadata to write ``cache`` with, and its file's size."""
     import mlx_lm.models.cache as cache_module
 
     metadata = {RECORD: json.dumps(record, sort_keys=True)}
@@ -68,8 +63,7 @@ def prepare(cache, record):
 
 
 def write(path, cache, metadata):
-    """Writes a new file at ``path`` (readable by the user only), flushed
-    to disk; removed again if the write fails."""
+    """Writes a new file (mode 0600) and syncs it; removes it if the write fails."""
     import mlx_lm.models.cache as cache_module
 
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -84,8 +78,7 @@ def write(path, cache, metadata):
 
 
 def read_record(path):
-    """The record in a file's header, read without its data. Raises
-    CorruptCacheFile where there is none that parses, or no checksum."""
+    """The record in a file's header; CorruptCacheFile if none parses or no checksum."""
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
             metadata = f.metadata() or {}
@@ -108,9 +101,8 @@ def read_record(path):
 
 
 def read(path, expected):
-    """The cache in the file at ``path``, after checking that its record is
-    ``expected`` (digests and tokens) and the whole file its checksum.
-    Raises CorruptCacheFile naming what does not fit."""
+    """The cache at ``path`` once its record is ``expected`` and its checksum holds;
+    else CorruptCacheFile naming what does not fit."""
     import mlx_lm.models.cache as cache_module
 
     record = read_record(path)

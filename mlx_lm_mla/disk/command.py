@@ -1,6 +1,5 @@
-"""``mlx-lm-mla cache-dir stats|clear DIR``: what the disk tier keeps in
-DIR (the folder given to ``--prompt-cache-dir``), and a safe way to empty
-it: ``clear`` deletes only the tier's own files."""
+"""``mlx-lm-mla cache-dir stats|clear DIR``: what the disk tier keeps in DIR, and
+``clear``, which deletes only the tier's own files."""
 
 import argparse
 import json
@@ -91,9 +90,8 @@ def stats(directory, out=None):
 
 
 def clear(directory, out=None):
-    """Deletes the tier's cache files in ``directory`` (and the temporary
-    files of processes that are gone); the folder, its marker and index
-    stay, and nothing else is touched."""
+    """Deletes the tier's cache files (and dead processes' temporary files) in
+    ``directory``; its folder, marker and index stay."""
     out = out or sys.stdout
     folder = open_folder(directory, create=False)
     index = Index(folder)

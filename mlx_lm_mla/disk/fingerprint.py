@@ -17,8 +17,7 @@ _READ_LIMIT = 64 << 20
 
 
 def local_path(path):
-    """The folder of a model (or adapter) the server loaded, or None: a
-    local path as is, a Hugging Face id from the local hub cache only."""
+    """The folder of a model the server loaded (a hub id from the local cache only)."""
     if path is None:
         return None
     if os.path.isdir(path):
@@ -45,9 +44,7 @@ def _folder_digest(folder, digest):
 
 
 def model_digest(model_key):
-    """Digest of the server's model key (model, adapter, draft model paths):
-    each folder's path, its small files' contents and its other files'
-    names, sizes and times. None where a path cannot be found on disk."""
+    """Digest of the server's model key's folders, or None if one is not on disk."""
     digest = hashlib.sha256(FORMAT.encode())
     for path in model_key if isinstance(model_key, (tuple, list)) else (model_key,):
         if path is None:
@@ -68,7 +65,6 @@ def cache_settings(cli_args):
 
     from ..cache import LAYOUT
 
-    # The package's latent caches are registered there while it is active.
     active = hasattr(cache_module, "QuantizedLatentCache")
     # mlx-lm 0.31's server has no --kv-bits: its settings are None there.
     return {

@@ -1,12 +1,7 @@
-"""The tier's own folder, ``DIR/mlx-lm-mla-prompt-caches``: created with a
-marker naming its format, the only place the tier writes. In it the tier
-touches only names of its own forms (``is_cache_name``, ``temp_owner``,
-``lock_owner``, its index); anything else there is left alone.
-
-Each process that uses the folder holds a lock (``flock``) on a file named
-for a random id of its own, for as long as it lives: its temporary files
-carry that id, so they are known to be a live process's or a dead one's
-whatever PIDs later processes get (a container's PID 1 is every run's)."""
+"""The tier's own folder in DIR, marked with its format; in it the tier touches
+only names of its own forms. Each process holds an ``flock`` on a file named for
+a random id its temporary files carry, so they are known live or dead whatever
+PIDs later processes get (a container's PID 1 is every run's)."""
 
 import contextlib
 import fcntl
@@ -40,7 +35,6 @@ def cache_name(digest):
 
 
 def is_cache_name(name):
-    """Whether ``name`` is a plain file name of the tier's cache files."""
     return name.endswith(SUFFIX) and _hex(name[: -len(SUFFIX)], _ID)
 
 
@@ -66,7 +60,6 @@ def lock_owner(name):
 
 
 def is_regular(path):
-    """Whether ``path`` is a regular file (not a link, a folder or a device)."""
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
@@ -94,10 +87,8 @@ def _read_marker(path):
 
 
 def open_folder(directory, create=True):
-    """The tier's folder in ``directory``, created (with ``directory``
-    where it is not there, mode 0700) and marked as the tier's. Raises
-    NotOurs, naming why, where it is not the tier's or cannot be used.
-    With ``create`` false, nothing is made."""
+    """The tier's folder in ``directory``, made (mode 0700) and marked if
+    ``create``; NotOurs, naming why, where it is not the tier's or unusable."""
     directory = Path(directory).expanduser().absolute()
     folder = directory / SUBFOLDER
     if directory.exists() and not directory.is_dir():
@@ -163,9 +154,8 @@ def maintenance(folder):
 
 
 class Presence:
-    """This process's lock on the folder: a file named for a random id,
-    locked for as long as the process holds it (or lives). Made during
-    ``maintenance``, so no sweep sees it before it is locked."""
+    """This process's lock on the folder, made during ``maintenance`` so no sweep
+    sees it unlocked."""
 
     def __init__(self, folder):
         self.id = uuid.uuid4().hex

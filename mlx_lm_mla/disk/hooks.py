@@ -1,7 +1,5 @@
-"""The server's side of the disk tier: its flags on mlx-lm's own parser,
-the tier's life with the server's (a stop on SIGTERM that commits the
-queued writes), and the server's prompt cache (``LRUPromptCache``, the
-first tier) joined to it."""
+"""The server's side of the disk tier: its flags on mlx-lm's own parser, its life
+with the server's, and ``LRUPromptCache`` (the first tier) joined to it."""
 
 import argparse
 import logging
@@ -30,8 +28,7 @@ ACTIVE = []  # the running server's DiskTier
 
 
 def parse_size(text):
-    """Bytes from ``500000000``, ``4G``, ``1.5GiB``, ``800M``...: a whole or
-    decimal number and a suffix K, M, G or T (powers of 1024)."""
+    """Bytes from ``500000000``, ``4G``, ``1.5GiB``... (powers of 1024)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     raw = str(text).strip().upper().removesuffix("B").removesuffix("I")
     scale = units.get(raw[-1:], 1)
@@ -98,8 +95,7 @@ def add_flags(parser):
 
 
 def check_flags(parser, args):
-    """After the whole command line parsed: the flags fit together, and the
-    tier's folder is there (made now) and its own."""
+    """The flags fit together, and the tier's folder is there (made now) and ours."""
     if args.prompt_cache_dir is None:
         for flag, value in (
             (BYTES, args.prompt_cache_dir_bytes),
@@ -115,8 +111,7 @@ def check_flags(parser, args):
 
 
 class ServerParser(argparse.ArgumentParser):
-    """The parser ``mlx_lm.server.main`` makes, with the tier's flags added
-    when it parses (once), so they are read, listed and refused as its own."""
+    """``mlx_lm.server.main``'s parser, the tier's flags added as its own."""
 
     def _with_flags(self):
         if not getattr(self, "_mlx_lm_mla_disk", False):
@@ -135,8 +130,7 @@ class ServerParser(argparse.ArgumentParser):
 
 
 def server_argparse(original):
-    """``mlx_lm.server``'s ``argparse``: the same module, but the
-    ``ArgumentParser`` its ``main`` makes is a ``ServerParser``."""
+    """``mlx_lm.server``'s ``argparse``, whose ``ArgumentParser`` is ours."""
     module = types.ModuleType(original.__name__, original.__doc__)
     module.__dict__.update(vars(original))
     module.ArgumentParser = ServerParser
@@ -145,9 +139,8 @@ def server_argparse(original):
 
 
 def loaded_paths(key, cli_args):
-    """The paths a server's model key loads. mlx-lm 0.31's server keys its
-    command line's model as "default_model" (with its adapter and draft
-    model); 0.32's keys hold the paths themselves."""
+    """The paths a server's model key loads: 0.31 keys the command line's model as
+    "default_model", 0.32 by its paths."""
     if not (
         isinstance(key, (tuple, list)) and len(key) == 3 and key[0] == "default_model"
     ):
@@ -157,8 +150,8 @@ def loaded_paths(key, cli_args):
 
 
 def open_tier(cli_args):
-    """The tier the command line asks for, or None with one warning where
-    it cannot be opened: the server then serves without it."""
+    """The tier the command line asks for, or None (with a warning) if it cannot
+    be opened."""
     from .fingerprint import cache_settings
     from .tier import DiskTier
 
@@ -188,10 +181,8 @@ def open_tier(cli_args):
 
 
 class _SigtermStop:
-    """A SIGTERM handler that stops the server as Ctrl-C does: upstream
-    catches the KeyboardInterrupt around its HTTP loop and lets its
-    generation loop end its step, so the caches it inserts are queued.
-    A second SIGTERM ends the process at once."""
+    """Stops the server on SIGTERM as Ctrl-C does (upstream then ends its step, so
+    the caches it inserts are queued); a second SIGTERM ends it at once."""
 
     def __init__(self):
         self.received = False
@@ -203,11 +194,9 @@ class _SigtermStop:
 
 
 def with_tier(run):
-    """``mlx_lm.server.run`` that opens the disk tier for the server's
-    lifetime when ``--prompt-cache-dir`` is given. On SIGTERM the server
-    stops as on Ctrl-C, the queued writes are committed, and SIGTERM then
-    ends the process as it ends one without the tier (status -15), without
-    the interpreter's exit, where MLX's threads can abort the process."""
+    """``mlx_lm.server.run`` with the disk tier open while it runs. On SIGTERM the
+    queued writes are committed, then SIGTERM ends the process as without the tier
+    (skipping the interpreter's exit, where MLX's threads can abort it)."""
 
     def run_(host, port, model_provider, *args, **kwargs):
         cli_args = model_provider.cli_args
@@ -253,8 +242,7 @@ def with_tier(run):
 
 
 def fetch_from_disk(original):
-    """``LRUPromptCache.fetch_nearest_cache`` that restores a cache from disk
-    where it covers more of the prompt than RAM's."""
+    """``LRUPromptCache.fetch_nearest_cache``, from disk where it covers more."""
 
     def fetch_nearest_cache(self, model, tokens):
         cache, rest = original(self, model, tokens)

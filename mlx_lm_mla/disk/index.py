@@ -1,10 +1,7 @@
-"""The index of the tier's folder, in SQLite: a row per cache file (its
-model and cache digests, tokens, size, last use) and, per file, the chained
-hashes of its tokens' whole blocks (``BLOCK`` tokens), so the longest
-stored prefix of a prompt is found with a few indexed lookups whatever the
-number of files, as vLLM's and LMCache's prefix caches find theirs; and the
-temporary files being written, counted against the bound. SQLite's
-locking lets several servers share it."""
+"""The SQLite index of the tier's folder: a row per cache file and the chained
+hashes of its tokens' whole blocks, so a prompt's longest stored prefix takes a
+few indexed lookups (as in vLLM's and LMCache's prefix caches). SQLite's locking
+lets several servers share it."""
 
 import contextlib
 import hashlib
@@ -72,10 +69,8 @@ def block_hashes(start, tokens):
 
 
 class Index:
-    """The index of one folder. Each thread (the server's generation
-    thread, the tier's writer) has its own connection; the generation
-    thread only reads, so a lookup never waits on a write beyond SQLite's
-    own short locks and never needs one."""
+    """The index of one folder, a connection per thread; the generation thread
+    only reads, so a lookup never waits on a write beyond SQLite's short locks."""
 
     def __init__(self, folder, timeout=60.0):
         self.path = os.path.join(folder, INDEX)
@@ -137,10 +132,9 @@ class Index:
         )
 
     def move_aside(self):
-        """Renames the index and the journals SQLite keeps beside it out of
-        the way (a journal left beside a new index would be rolled into
-        it); returns the new name, or None where there was none. An empty
-        index holds nothing: it is left to ``create``."""
+        """Renames the index and its journals out of the way (a journal left
+        beside a new index would be rolled into it); returns the new name or
+        None. An empty index is left to ``create``."""
         empty = False
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
         aside, moved = f"{INDEX}.aside-{stamp}", False
@@ -219,8 +213,7 @@ class Index:
         return row[0] if row else None
 
     def changed(self, model, model_digest, cache_digest):
-        """Names of the files of this model path and settings written when
-        its files were others (another model digest)."""
+        """Files of this model path and settings written for another model digest."""
         return [
             r[0]
             for r in self.db.execute(
@@ -234,8 +227,7 @@ class Index:
         return total_bytes(self.db)
 
     def summary(self):
-        """Per model and settings: (model, settings, files, bytes, fewest
-        tokens, most tokens, last use)."""
+        """(model, settings, files, bytes, min/max tokens, last use) per model."""
         return self.db.execute(
             "SELECT model, settings, COUNT(*), SUM(nbytes), MIN(n_tokens), "
             "MAX(n_tokens), "
@@ -291,8 +283,7 @@ def remove(db, name):
 
 
 def prefixes(db, model_digest, cache_digest, tokens):
-    """Names of the files of these digests whose tokens are a strict
-    prefix of ``tokens``."""
+    """Files of these digests whose tokens are a strict prefix of ``tokens``."""
     hashes = block_hashes(root(model_digest, cache_digest), tokens)
     found = []
     for i in range(0, len(hashes), 500):  # under SQLite's limit of parameters
@@ -317,7 +308,6 @@ def pending_bytes(db):
 
 
 def oldest(db):
-    """The name of the least recently used file, or None."""
     row = db.execute("SELECT name FROM entries ORDER BY last_used LIMIT 1").fetchone()
     return row[0] if row else None
 

@@ -1,9 +1,6 @@
-"""The disk tier: prompt caches of the server written to the tier's folder
-in the background, found again by their tokens' block hashes and
-restored, the folder kept under its byte bound by evicting the least
-recently used. Opening the folder repairs what a crash or damage left:
-an index that cannot be read is moved aside and built again from the
-files' own records."""
+"""The disk tier: the server's prompt caches written to a folder in the
+background, found again by their tokens' block hashes, evicted least recently
+used past the folder's bound. Opening the folder repairs what a crash left."""
 
 import contextlib
 import hashlib
@@ -58,8 +55,7 @@ def _token_bytes(tokens):
 
 
 def unlink(folder, name, why, level=logging.INFO):
-    """Deletes one of the tier's own files, logged with ``why``. Anything
-    that is not a plain file of the tier's names is left alone."""
+    """Deletes one of the tier's own plain files, logged with ``why``."""
     path = folder / name
     own = is_cache_name(name) or temp_owner(name) or lock_owner(name)
     if not own or os.path.basename(name) != name:
@@ -81,8 +77,8 @@ def unlink(folder, name, why, level=logging.INFO):
 
 
 def open_index(folder, index):
-    """Makes ``index`` usable: one that cannot be read is moved aside and a
-    new one built from the cache files' own records. Call in maintenance."""
+    """Moves an unreadable ``index`` aside and builds it again from the files'
+    records. Call in maintenance."""
     why = index.problem()
     if why is None:
         return
@@ -109,8 +105,8 @@ def open_index(folder, index):
 
 
 def adopt(folder, db, name):
-    """Adds the row of a cache file from its record; deletes, with the
-    reason, a file whose record does not read or fit its name."""
+    """Adds a cache file's row from its record; deletes a file whose record does
+    not read or fit its name."""
     path = folder / name
     if not is_regular(path):
         logger.warning("mlx-lm-mla: %s is not a regular file; left alone", path)
@@ -138,9 +134,8 @@ def file_name(model_digest, cache_digest, tokens):
 
 
 def sweep(folder, db, presence):
-    """Removes what a crash can leave: temporary files and locks of
-    processes that are gone, rows of files that are not there; indexes the
-    files renamed into place whose row was not committed. Call in
+    """Removes what a crash can leave (files and locks of gone processes, rows of
+    missing files) and indexes files whose row was not committed. Call in
     maintenance, inside a write transaction."""
     known = set(rows.names(db))
     for name in sorted(os.listdir(folder)):
@@ -177,9 +172,8 @@ def sweep(folder, db, presence):
 
 
 def evict(db, max_bytes, room=0):
-    """Removes the rows of the least recently used files until the files,
-    those being written and ``room`` more bytes fit in ``max_bytes``;
-    returns their names, for the caller to delete once committed."""
+    """Removes least recently used rows until the files, those being written and
+    ``room`` fit in ``max_bytes``; returns their names, to delete once committed."""
     gone = []
     while rows.total_bytes(db) + room > max_bytes:
         name = rows.oldest(db)
@@ -193,11 +187,9 @@ def evict(db, max_bytes, room=0):
 class DiskTier:
     """The tier's folder in ``directory``, for one server's settings.
 
-    ``store`` (generation thread) takes a snapshot of a cache and queues it;
-    the writer thread makes room for it (evicting first, its size counted
-    while it is written), writes a temporary file, then renames it into
-    place and adds its row in one index transaction. ``restore`` only
-    reads: its recency and any refused file go to the writer thread.
+    ``store`` (generation thread) queues a snapshot of a cache; the writer thread
+    makes room, writes a temporary file, then renames it into place and adds its
+    row in one transaction. ``restore`` only reads; the writer does the rest.
     """
 
     def __init__(
@@ -242,7 +234,6 @@ class DiskTier:
     # --- the generation thread -------------------------------------------
 
     def _model(self, model):
-        """(model JSON, model digest) of a server's model key, or None."""
         if model not in self._models:
             paths = self._paths(model)
             digest = model_digest(paths)
@@ -289,10 +280,9 @@ class DiskTier:
         )
 
     def restore(self, model, tokens, have=0):
-        """``(cache, tokens[n:])`` for the file that covers the longest
-        prefix ``n`` of ``tokens`` (at most all but the last token), where
-        ``n`` is at least ``min_tokens`` more than ``have`` (what RAM
-        holds); else None. Reads only the file it restores; writes nothing."""
+        """``(cache, tokens[n:])`` from the file covering the longest prefix ``n``
+        of ``tokens`` (all but the last at most), if ``n`` is ``min_tokens`` more
+        than ``have`` (what RAM holds); else None."""
         import mlx_lm.models.cache as cache_module
 
         found = self.lookup(model, tokens, have)
@@ -311,10 +301,9 @@ class DiskTier:
         return cache, tokens[n:]
 
     def lookup(self, model, tokens, have=0):
-        """``(name, n, model digest, its tokens)`` of the file ``restore``
-        would read, found in the index alone: the deepest block of the
-        prompt some file holds (a binary search over the block hashes),
-        then, of the files that hold it, the one that goes furthest."""
+        """``(name, n, model digest, its tokens)`` of the file ``restore`` would
+        read, from the index alone: the deepest block some file holds (a binary
+        search over block hashes), then the file that goes furthest."""
         limit, need = len(tokens) - 1, have + max(self.min_tokens, 1)
         found = self._model(model) if not self.off and limit >= need else None
         blob = _token_bytes(tokens) if found else None
@@ -504,7 +493,6 @@ class DiskTier:
     # --- either thread ---------------------------------------------------
 
     def flush(self):
-        """Waits until every queued job is done."""
         self._queue.join()
 
     def close(self, timeout=120):

@@ -1,16 +1,6 @@
-"""A request ends when its client leaves.
-
-While a request is served, ``watch`` polls its connection; once the client
-has closed it (end of file or a reset), its ``RequestState`` says so. The
-generation thread sees that at the request's next reply
-(``recovery.tracked_next_request``): it stops the request's context, so the
-server drops its row and frees its slot, and unblocks the handler with
-``ClientGone``. A streamed request whose write fails first is stopped by
-upstream itself. Either way the handler logs one INFO line (``ended``):
-which request, after how many tokens.
-
-A client that half-closes its connection after sending a request (shuts
-down its writing side, still reading) looks gone and is cancelled.
+"""A request ends when its client leaves: ``watch`` polls its connection and marks
+its ``RequestState``; the generation thread ends it at its next reply
+(``recovery.Replies``). A client that half-closes its connection looks gone.
 """
 
 import logging
@@ -21,7 +11,6 @@ import threading
 logger = logging.getLogger(__name__)
 
 POLL = 0.25  # seconds between looks at the connection
-# What a handler meets when its client is gone.
 GONE = (BrokenPipeError, ConnectionResetError)
 
 
@@ -30,7 +19,6 @@ class ClientGone(RuntimeError):
 
 
 def ended(handler, state):
-    """Logs that a request ended because its client left."""
     logger.info(
         "mlx-lm-mla: cancelled %s after %d tokens: its client is gone",
         _name(handler), state.tokens,
@@ -43,11 +31,13 @@ def _name(handler):
 
 
 def _closed(connection) -> bool:
-    """Whether the peer has closed ``connection``; False while it is open
-    or has sent more (a pipelined request: the watch cannot tell then)."""
+    """Whether the peer closed ``connection`` (not if it sent more: pipelined)."""
     try:
         readable, _, _ = select.select([connection], [], [], POLL)
-        return bool(readable) and connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return (
+            bool(readable)
+            and connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        )
     except BlockingIOError:
         return False
     except (OSError, ValueError):  # reset, or closed on our side
@@ -55,12 +45,13 @@ def _closed(connection) -> bool:
 
 
 class Watch:
-    """Watches one request's connection until ``stop()``."""
 
     def __init__(self, connection, state, name):
         self.connection, self.state, self.name = connection, state, name
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="mlx-lm-mla client watch")
+        self.thread = threading.Thread(
+            target=self._run, daemon=True, name="mlx-lm-mla client watch"
+        )
 
     def _run(self):
         while not self.done.is_set():
@@ -78,5 +69,4 @@ class Watch:
 
 
 def watch(handler, state):
-    """A ``Watch`` on the handler's connection, to use as a context manager."""
     return Watch(handler.connection, state, _name(handler))

@@ -1,6 +1,5 @@
-"""Recovery in the server's generation thread: a failure ends the requests
-it hit, with a clear error, and the loop serves the next ones as a fresh
-server would."""
+"""Recovery in the server's generation thread: a failure ends the requests it hit,
+with a clear error, and the loop serves the next ones."""
 
 import logging
 import sys
@@ -15,9 +14,7 @@ logger = logging.getLogger(__name__)
 SERVER = "mlx_lm.server"
 
 
-# A failure with no request open (a default model that cannot load) is
-# given this many tries in a row, backed off, before the thread ends the
-# way upstream's does.
+# Tries in a row for a failure with no request open (a model that cannot load).
 TRIES = 4
 BACKOFF = 0.05  # seconds before the second try; doubled each time
 
@@ -31,10 +28,9 @@ def _inflight(generator):
 
 
 class Replies:
-    """A request's reply queue as the generation loop sees it: a reply after
-    the request's own sampling failed (guards/sampling.py) or its client
-    left (guards/cancellation.py) is replaced by that error, its context is
-    stopped so the server drops its row, and nothing more is sent."""
+    """A request's reply queue as the loop sees it: once its sampling failed or its
+    client left, the next reply is that error, its context is stopped (the server
+    drops its row) and nothing more is sent."""
 
     def __init__(self, queue, state, open_requests):
         self.queue, self.state, self.open = queue, state, open_requests
@@ -70,8 +66,7 @@ class Replies:
 
 
 def tracked_next_request(original):
-    """``ResponseGenerator._next_request`` that hands the loop each request's
-    replies as ``Replies``, remembered until the request is answered."""
+    """``ResponseGenerator._next_request`` handing the loop ``Replies``."""
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
@@ -88,22 +83,15 @@ def tracked_next_request(original):
 
 
 def _restore_after_failure():
-    """What a failed step can leave behind in the process: a random state
-    that cannot be computed."""
     if sampling.repair_random():
         logger.warning("mlx-lm-mla: restored the random state after a failure")
 
 
 def supervised_generate(original):
-    """``ResponseGenerator._generate`` that survives a failing request.
-
-    Upstream, an exception in the batched loop ends the generation thread, so
-    one bad batch ends the server. Here the open requests get a clear error,
-    their batch and caches are dropped (nothing partial was stored: the
-    prompt cache keeps copies only), and the loop starts again. A failure
-    with no request open is retried ``TRIES`` times in a row, backed off,
-    then ends the thread as upstream's does, so mlx-lm 0.32's
-    ``generation_available()`` and health check report it."""
+    """``ResponseGenerator._generate`` that survives a failing request: upstream's
+    thread ends, so one bad batch ends the server. Here the open requests get the
+    error and the loop starts again; a failure with no request open ends the
+    thread after ``TRIES``, so mlx-lm 0.32's health check reports it."""
 
     def _generate(self):
         streak = 0

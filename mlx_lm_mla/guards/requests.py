@@ -1,7 +1,5 @@
-"""Guards on ``mlx_lm.server``'s HTTP side: a request is checked where it
-enters, so bad input gets a 400 that names the field and never reaches a
-batch that other clients share; and every failure gets one well-formed
-HTTP status."""
+"""Guards on ``mlx_lm.server``'s HTTP side: bad input gets a 400 naming the field
+before it reaches a shared batch, and every failure one well-formed status."""
 
 import json
 import logging
@@ -48,13 +46,15 @@ def request_problem(request, stop_words, logit_bias):
 
 
 def content_problem(content):
-    """Why a message's content is malformed, from the field's path on, or
-    None: it is a string, null, or a list of content parts (objects with a
-    string type; a text part with a string text)."""
+    """Why a message's content is not a string, null or a list of content parts,
+    from the field's path on, or None."""
     if content is None or isinstance(content, str):
         return None
     if not isinstance(content, list):
-        return f" must be a string, null or a list of content parts, not {type(content).__name__}"
+        return (
+            " must be a string, null or a list of content parts, "
+            f"not {type(content).__name__}"
+        )
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             return f"[{j}] must be an object with a string type"
@@ -63,36 +63,50 @@ def content_problem(content):
     return None
 
 
-# Where the model's config gives no context length, and on top of it: the
-# most tokens one request may ask for. MLX_LM_MLA_MAX_TOKENS changes it.
+# The most tokens one request may ask for (MLX_LM_MLA_MAX_TOKENS).
 CEILING = 1 << 20
 
 
 def max_tokens_limit(generator, prompt_tokens):
-    """(the most tokens the request may generate, why): the model's context
-    length less the prompt, where its config gives one, and the ceiling."""
+    """(the most tokens the request may generate, why): the lower of the context
+    the prompt leaves and the ceiling."""
     try:
         ceiling = int(os.environ.get("MLX_LM_MLA_MAX_TOKENS", CEILING))
     except ValueError:
-        logger.warning("mlx-lm-mla: MLX_LM_MLA_MAX_TOKENS is not an integer; using %d", CEILING)
+        logger.warning(
+            "mlx-lm-mla: MLX_LM_MLA_MAX_TOKENS is not an integer; using %d", CEILING
+        )
         ceiling = CEILING
     model = generator.model_provider.model
     context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     if isinstance(context, int) and context - prompt_tokens < ceiling:
         return max(context - prompt_tokens, 0), (
-            f"the model's context is {context} tokens and the prompt has {prompt_tokens}"
+            f"the model's context is {context} tokens "
+            f"and the prompt has {prompt_tokens}"
         )
     return ceiling, "the server's ceiling (MLX_LM_MLA_MAX_TOKENS)"
 
 
 def non_finite(value, path=""):
-    """The path of the first number in a JSON body that is NaN or infinite
-    (Python's json reads ``NaN`` and ``Infinity``), or None."""
+    """The path of the first NaN or infinite number in a JSON body (Python's json
+    reads them), or None."""
     if isinstance(value, float) and not math.isfinite(value):
         return path or "body"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for key, item in items:
-        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        inner = (
+            f"{path}[{key}]"
+            if isinstance(key, int)
+            else f"{path}.{key}"
+            if path
+            else str(key)
+        )
         found = non_finite(item, inner)
         if found:
             return found
@@ -100,14 +114,10 @@ def non_finite(value, path=""):
 
 
 def checked_tokenize(original, server):
-    """``ResponseGenerator._tokenize`` that refuses, before the request joins
-    a batch, what needs the model to see: a prompt of no tokens, more
-    ``max_tokens`` than the model's context leaves or the server's ceiling
-    allows (``max_tokens_limit``), ``logit_bias`` ids outside the vocabulary (upstream applies them to
-    whatever memory they point at), and sampling arguments that the
-    server's own sampler and logits processors cannot run with, found by
-    running them once on one row of the model's vocabulary (in the
-    generation thread, whose random state the run leaves as it was)."""
+    """``ResponseGenerator._tokenize`` that refuses, before the request joins a
+    batch, what needs the model to see: an empty prompt, too many ``max_tokens``,
+    ``logit_bias`` ids outside the vocabulary (upstream applies them to whatever
+    memory they point at), and sampling its own builders cannot run with."""
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
@@ -124,10 +134,10 @@ def checked_tokenize(original, server):
         size = _vocabulary(self, tokenizer)
         if bias and size and max(bias) >= size:
             raise BadRequest(
-                f"logit_bias token id {max(bias)} is outside the vocabulary (0..{size - 1})"
+                f"logit_bias token id {max(bias)} is outside the vocabulary "
+                f"(0..{size - 1})"
             )
         if size:
-            # The sampler and processors built here are the ones it runs with.
             problem = sampling.sampling_problem(
                 sampling.unguarded(server._make_sampler),
                 sampling.unguarded(server._make_logits_processors),
@@ -169,14 +179,11 @@ def _reply(handler, status, message):
 
 
 def guarded_completion(original):
-    """``APIHandler.handle_completion`` that refuses a bad request with 400
-    before it is queued, honours ``"cache_prompt": false``, ends the request
-    when its client leaves (``cancellation.py``), and answers a
-    request that failed during generation. Upstream lets that exception
-    close the connection: a non-streamed reply had its 200 status buffered,
-    so the client got 200 and then a second status line. Here the buffered
-    headers are dropped and the client gets one HTTP 500 with the error, or
-    an ``error`` event when streaming (the headers went out already)."""
+    """``APIHandler.handle_completion`` that refuses a bad request with 400 before
+    it is queued, honours ``"cache_prompt": false``, ends the request when its
+    client leaves, and answers a failure during generation with one 500 (or an
+    ``error`` event when streaming): upstream lets the exception out after
+    buffering a 200, so the client got two status lines."""
 
     def handle_completion(self, request, stop_words, *args, **kwargs):
         problem = request_problem(request, stop_words, self.logit_bias)
@@ -187,7 +194,9 @@ def guarded_completion(original):
             return _reply(self, 400, problem)
         state = REQUESTS.open(request)
         body = self.body
-        state.cache_prompt = not (isinstance(body, dict) and body.get("cache_prompt", True) is False)
+        state.cache_prompt = not (
+            isinstance(body, dict) and body.get("cache_prompt", True) is False
+        )
         try:
             with cancellation.watch(self, state):
                 return original(self, request, stop_words, *args, **kwargs)
@@ -202,7 +211,9 @@ def guarded_completion(original):
                     self._headers_buffer = []  # the 200 that was not sent
                     _reply(self, 500, message)
                 elif self.stream:
-                    self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+                    self.wfile.write(
+                        f"data: {json.dumps({'error': message})}\n\n".encode()
+                    )
                     self.wfile.flush()
             except OSError:
                 pass  # the client is gone
@@ -244,10 +255,8 @@ def refused_parameters(original):
 
 
 def answered_post(original):
-    """``APIHandler.do_POST`` where every failure gets one status: 400 for a
-    body it cannot read (one that is not UTF-8: upstream's decode error
-    closes the connection with no reply) or a field the server refuses; 500
-    for anything else, which is the server's failure, not the client's."""
+    """``APIHandler.do_POST`` where every failure gets one status: 400 for a body
+    that is not UTF-8 (upstream closes with no reply) or a refused field, else 500."""
 
     def do_POST(self):
         try:

@@ -1,6 +1,5 @@
-"""Guards on the prompt cache the server shares across requests
-(``LRUPromptCache``): a bad cache is never handed out or stored, and a
-``"cache_prompt": false`` request neither reuses nor stores one."""
+"""Guards on the server's shared ``LRUPromptCache``: a bad cache is never handed
+out or stored."""
 
 import logging
 
@@ -11,11 +10,9 @@ logger = logging.getLogger(__name__)
 
 
 class NoStore(list):
-    """The tokens of a ``"cache_prompt": false`` request (LM Studio's clients
-    send it): it neither reuses nor stores a prompt cache. The policy
-    travels with the tokens themselves, which the server hands to
-    ``fetch_nearest_cache`` and ``insert_cache``; a slice keeps it, as the
-    server slices and extends the prompt into the keys it stores under."""
+    """The tokens of a ``"cache_prompt": false`` request, which neither reuses nor
+    stores a cache: the policy travels with the tokens the server hands to
+    ``fetch_nearest_cache`` and ``insert_cache``, and survives slicing."""
 
     def __getitem__(self, index):
         found = super().__getitem__(index)
@@ -26,8 +23,7 @@ class NoStore(list):
 
 
 def no_store_tokenize(original):
-    """``ResponseGenerator._tokenize`` that gives a no-store request its
-    tokens as ``NoStore`` and no segments to store."""
+    """``ResponseGenerator._tokenize`` giving a no-store request ``NoStore`` tokens."""
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
@@ -41,11 +37,8 @@ def no_store_tokenize(original):
 
 
 def cache_problem(caches, length):
-    """Why a prompt cache cannot hold ``length`` tokens, or None if it can:
-    every layer with an integer ``offset`` holds exactly ``length`` tokens,
-    and a layer of an mlx-lm cache class has a state of arrays (or scalars).
-    Caches of other classes (mlx-vlm's, custom ones) are stored as upstream
-    stores them: their state is theirs to define."""
+    """Why a prompt cache does not hold exactly ``length`` tokens, or None. Only
+    mlx-lm's cache classes must have a state of arrays: others define their own."""
     import mlx.core as mx
     import mlx_lm.models.cache as cache_module
     from mlx.utils import tree_flatten
@@ -70,7 +63,10 @@ def cache_problem(caches, length):
         for field in ("keys", "values"):
             value = getattr(c, field, None)
             if not hasattr(c, "bits") and not isinstance(value, (mx.array, type(None))):
-                return f"layer {i}: {name}.{field} is a {type(value).__name__}, not an array"
+                return (
+                    f"layer {i}: {name}.{field} is a {type(value).__name__}, "
+                    "not an array"
+                )
     return None
 
 
@@ -122,8 +118,7 @@ def guarded_fetch(original):
 
 
 def guarded_insert(original):
-    """``LRUPromptCache.insert_cache`` that refuses a cache which does not
-    hold exactly the tokens of its key (a partial or broken one)."""
+    """``LRUPromptCache.insert_cache`` refusing a partial or broken cache."""
 
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         if isinstance(tokens, NoStore):

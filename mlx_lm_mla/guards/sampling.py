@@ -1,17 +1,10 @@
 """Sampling in ``mlx_lm.server``, so that no failure outlives its request.
 
-- Validation by construction: before a request joins a batch, its sampler
-  and logits processors are built by the server's own ``_make_sampler`` and
-  ``_make_logits_processors`` and run once on one row of the model's
-  vocabulary size. Whatever they refuse, the request is refused for; no list
-  of allowed values is kept here.
-- Attribution: inside a batch step each row's sampler and processors run
-  guarded. A row that fails ends its own request with the error; the other
-  rows keep decoding as they would alone.
-- Restoration: mlx-lm's samplers are compiled with ``mx.random.state`` as
-  input and output, so a failure inside one leaves that state holding an
-  array that was never computed, and every later unseeded sampled request
-  fails. Each guarded call puts the key back when it fails.
+A request's sampler and processors, built by the server's own builders, run once
+on one row before it is queued: what they refuse, the request is refused for. In
+a batch each row runs guarded and a failure ends only its request. mlx-lm's
+samplers are compiled with ``mx.random.state`` as input and output, so a failure
+inside one leaves a state never computed: every guarded call puts the key back.
 """
 
 import dataclasses
@@ -32,9 +25,8 @@ def random_key():
 
 
 def restore_random(key):
-    """Makes ``key`` the random state again. mlx < 0.32.4 keeps the state in
-    a list; later versions keep it per thread behind a read-only view, where
-    ``seed`` sets it: a key is the two 32-bit halves of its seed."""
+    """Makes ``key`` the random state again: mlx < 0.32.4 keeps it in a list,
+    later ones behind a read-only view that ``seed`` sets (a key is its halves)."""
     state = mx.random.state
     if isinstance(state, list):
         state[0] = key
@@ -44,9 +36,8 @@ def restore_random(key):
 
 
 def repair_random():
-    """After a failure of the generation loop: if the random state cannot be
-    computed (a compiled sampler failed inside), put back the last key that
-    could. Returns True if it had to."""
+    """After the generation loop failed: puts back the last good key if the random
+    state cannot be computed. True if it had to."""
     try:
         mx.eval(random_key())
         return False
@@ -69,8 +60,8 @@ def _row(vocab):
 
 
 def trial(sampler, processors, vocab, context):
-    """Runs one sampling step as a batch row does. Returns why it cannot
-    run, or None. The random state is left as it was found."""
+    """Why one sampling step, run as a batch row does, fails, or None. The random
+    state is left as found."""
     key = random_key()
     try:
         logits = _row(vocab)
@@ -92,7 +83,11 @@ def trial(sampler, processors, vocab, context):
 
 
 def _fields(group):
-    return [f.name for f in dataclasses.fields(group)] if dataclasses.is_dataclass(group) else []
+    return (
+        [f.name for f in dataclasses.fields(group)]
+        if dataclasses.is_dataclass(group)
+        else []
+    )
 
 
 def _zero(value):
@@ -100,13 +95,11 @@ def _zero(value):
     return None if value is None else type(value)()
 
 
-def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prompt, state=None):
-    """Why the sampling arguments of a request cannot be served, naming the
-    field, or None. ``make_sampler(args, tokenizer)`` and
-    ``make_processors(args)`` are the server's own builders; what they built
-    for a request that can be served is kept on its ``state``, and the
-    server's ``_make_sampler`` / ``_make_logits_processors`` hand it out
-    (built once per request)."""
+def sampling_problem(
+    make_sampler, make_processors, tokenizer, args, vocab, prompt, state=None
+):
+    """Why a request's sampling arguments cannot be served, naming the field, or
+    None. What the server's builders made is kept on ``state``, to hand out once."""
     context = mx.array(prompt)
     seed = getattr(args, "seed", None)
     if seed is not None:  # the single path seeds with it first
@@ -138,7 +131,9 @@ def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prom
     current = {g: {k: _zero(v) for k, v in values[g].items()} for g in groups}
 
     def variant():
-        changes = {g: dataclasses.replace(getattr(args, g), **current[g]) for g in groups}
+        changes = {
+            g: dataclasses.replace(getattr(args, g), **current[g]) for g in groups
+        }
         return dataclasses.replace(args, **changes)
 
     if groups and dataclasses.is_dataclass(args) and run(variant()) is None:
@@ -155,9 +150,8 @@ def sampling_problem(make_sampler, make_processors, tokenizer, args, vocab, prom
 
 
 class RowSampler:
-    """A request's sampler in a batch: a failure is the request's own. The
-    row gets a stand-in token (the request ends at its next reply), the
-    random state is put back, and the other rows go on."""
+    """A request's sampler in a batch: on failure the row gets a stand-in token
+    (its request ends at the next reply) and the random state is put back."""
 
     def __init__(self, sampler, state):
         self.sampler = sampler
@@ -195,8 +189,7 @@ class RowProcessor:
 
 
 def _shared(sampler):
-    """Whether a sampler is one the builder hands every request alike: a
-    module-level function (greedy), not a closure over one request's values."""
+    """Whether the builder hands this sampler to every request (greedy)."""
     qualname = getattr(sampler, "__qualname__", "<locals>")
     return "<locals>" not in qualname and getattr(
         sys.modules.get(getattr(sampler, "__module__", None)), qualname, None
@@ -204,14 +197,12 @@ def _shared(sampler):
 
 
 def guarded_make_sampler(original):
-    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row
-    of the request it is made for. A sampler the builder hands every request
-    alike (greedy) is left as it is: the batch samples all its rows in one
-    call, as upstream, and holds nothing of one request that could fail."""
+    """``mlx_lm.server._make_sampler`` whose sampler runs as a guarded row. A shared
+    sampler (greedy) is left as it is: the batch samples all rows in one call."""
 
     def _make_sampler(args, tokenizer):
         state = REQUESTS.get(args)
-        if state is None:  # not for a request the server is serving
+        if state is None:
             return original(args, tokenizer)
         sampler = state.take("sampler") or original(args, tokenizer)
         return sampler if _shared(sampler) else RowSampler(sampler, state)

@@ -1,9 +1,6 @@
-"""What the guards know of each request the server serves, in one object.
-
-mlx-lm hands each hook the request (``CompletionRequest``) or its
-generation arguments; both are dataclasses, so not hashable. ``REQUESTS``
-finds a request's ``RequestState`` from either, by identity, from when its
-handler opens it until it closes it.
+"""What the guards know of each request, in one object. mlx-lm hands each hook the
+request or its generation arguments, unhashable dataclasses: ``REQUESTS`` finds
+the ``RequestState`` from either by identity, while the handler has it open.
 """
 
 import threading
@@ -33,8 +30,7 @@ class RequestState:
 
 
 class Requests:
-    """The states of the open requests, by the identity of the objects
-    (request, generation arguments) that stand for them."""
+    """The open requests' states, by identity of the objects that stand for them."""
 
     def __init__(self):
         self._by_id = {}  # id(obj): (obj, state); obj held, so the id stays its

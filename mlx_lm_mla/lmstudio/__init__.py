@@ -1,14 +1,5 @@
-"""The fix inside LM Studio's MLX engine: ``mlx-lm-mla lmstudio install|status|uninstall``.
-
-LM Studio runs its MLX engine in runtime layers built with venvstacks, under
-its home folder (``~/.lmstudio``, or ``~/.cache/lm-studio``, as recorded in
-``~/.lmstudio-home-pointer``):
-
-    <home>/extensions/backends/<engine>-<version>/backend-manifest.json
-    <home>/extensions/backends/vendor/_amphibian/app-mlx-generate-...@N/lib/python3.11/site-packages
-
-Finding the layers is ``discover.py``; writing into one, with its record
-and rollback, is ``installer.py``.
+"""The fix inside LM Studio's MLX engine: ``mlx-lm-mla lmstudio
+install|status|uninstall``. ``discover`` finds the layers, ``installer`` writes.
 """
 
 import argparse
@@ -25,16 +16,25 @@ __all__ = ["main", "payload", "supported_range"]
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="mlx-lm-mla lmstudio",
-        description="Install the fix into LM Studio's MLX engine, show it, or remove it.",
+        description="Install the fix into LM Studio's MLX engine, show it, "
+        "or remove it.",
     )
     parser.add_argument("command", choices=["install", "status", "uninstall"])
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--home", type=Path, metavar="DIR", help="LM Studio's home folder")
     where.add_argument(
-        "--layer", type=Path, action="append", metavar="DIR", help="a layer folder (repeatable)"
+        "--home", type=Path, metavar="DIR", help="LM Studio's home folder"
+    )
+    where.add_argument(
+        "--layer",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="a layer folder (repeatable)",
     )
     parser.add_argument(
-        "--all", action="store_true", help="every layer with mlx_lm, not only the active engine's"
+        "--all",
+        action="store_true",
+        help="every layer with mlx_lm, not only the active engine's",
     )
     args = parser.parse_args(argv)
     if args.layer and args.all:

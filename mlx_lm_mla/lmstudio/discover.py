@@ -1,13 +1,11 @@
 """Where LM Studio keeps its MLX engine, and what is in a layer of it.
 
-LM Studio runs its MLX engine in runtime layers built with venvstacks, under
-its home folder (``~/.lmstudio``, or ``~/.cache/lm-studio``, as recorded in
-``~/.lmstudio-home-pointer``):
+LM Studio runs its MLX engine in venvstacks layers under its home folder:
 
     <home>/extensions/backends/<engine>-<version>/backend-manifest.json
-    <home>/extensions/backends/vendor/_amphibian/app-mlx-generate-...@N/lib/python3.11/site-packages
+    <home>/extensions/backends/vendor/_amphibian/<layer>/lib/python3.11/site-packages
 
-The manifest's ``vendor_lib_package_names`` names the layers an engine runs;
+The manifest's ``vendor_lib_package_names`` names an engine's layers;
 ``<home>/.internal/backend-preferences-v1.json`` names the engine in use.
 """
 
@@ -33,19 +31,21 @@ def find_home() -> Path:
     pointer = user / ".lmstudio-home-pointer"
     candidates = []
     if pointer.is_file():
-        candidates.append(Path(pointer.read_text(encoding="utf-8").strip()).expanduser())
+        candidates.append(
+            Path(pointer.read_text(encoding="utf-8").strip()).expanduser()
+        )
     candidates += [user / ".lmstudio", user / ".cache" / "lm-studio"]
     for home in candidates:
         if (home / "extensions" / "backends").is_dir():
             return home
     raise Refused(
         f"no LM Studio found: no extensions/backends under ~/.lmstudio-home-pointer, "
-        f"~/.lmstudio or ~/.cache/lm-studio (HOME={user}); give --home DIR or --layer DIR"
+        f"~/.lmstudio or ~/.cache/lm-studio (HOME={user}); "
+        "give --home DIR or --layer DIR"
     )
 
 
 def site_packages(layer: Path):
-    """The layer's ``lib/python3.X/site-packages``, or None."""
     found = sorted(layer.glob("lib/python3*/site-packages"))
     return found[0] if len(found) == 1 and found[0].is_dir() else None
 
@@ -71,7 +71,11 @@ def _engines(backends: Path):
         layers = [p for p in layers if p.resolve().is_relative_to(vendor.resolve())]
         layers = [p for p in layers if holds_mlx_lm(p)]
         if layers:
-            yield str(manifest.get("name", "")), str(manifest.get("version", "")), layers
+            yield (
+                str(manifest.get("name", "")),
+                str(manifest.get("version", "")),
+                layers,
+            )
 
 
 def _version_key(version: str):
@@ -82,11 +86,15 @@ def _version_key(version: str):
 
 
 def find_layers(home: Path, every: bool):
-    """The active MLX engine's layers holding mlx-lm; every such layer with ``every``."""
+    """The active MLX engine's layers holding mlx-lm (every such layer: ``every``)."""
     backends = home / "extensions" / "backends"
     if every:
         # Layers sit one or two folders below vendor/ (vendor/_amphibian/<layer>).
-        layers = [p for depth in ("*", "*/*") for p in sorted(backends.glob(f"vendor/{depth}"))]
+        layers = [
+            p
+            for depth in ("*", "*/*")
+            for p in sorted(backends.glob(f"vendor/{depth}"))
+        ]
         layers = [p for p in layers if holds_mlx_lm(p)]
         if not layers:
             raise Refused(f"no layer with mlx_lm under {backends / 'vendor'}")
@@ -98,8 +106,14 @@ def find_layers(home: Path, every: bool):
             "with mlx_lm (download LM Studio's MLX engine first)"
         )
     try:
-        prefs = json.loads((home / ".internal" / "backend-preferences-v1.json").read_text())
-        chosen = {(str(p.get("name")), str(p.get("version"))) for p in prefs if isinstance(p, dict)}
+        prefs = json.loads(
+            (home / ".internal" / "backend-preferences-v1.json").read_text()
+        )
+        chosen = {
+            (str(p.get("name")), str(p.get("version")))
+            for p in prefs
+            if isinstance(p, dict)
+        }
     except (OSError, ValueError, AttributeError, TypeError):
         chosen = set()
     active = [e for e in engines if (e[0], e[1]) in chosen]
@@ -137,7 +151,9 @@ def check_mlx_lm(site: Path) -> str:
     try:
         version = Version(dist.version)
     except InvalidVersion:
-        raise Refused(f"mlx-lm in {site} has an unreadable version {dist.version!r}") from None
+        raise Refused(
+            f"mlx-lm in {site} has an unreadable version {dist.version!r}"
+        ) from None
     low, high = supported_range()
     if not SpecifierSet(MLX_LM_RANGE).contains(version, prereleases=True):
         raise Refused(

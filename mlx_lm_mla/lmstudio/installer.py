@@ -1,14 +1,9 @@
 """Writes the fix into one layer of LM Studio's MLX engine, and takes it out.
 
-The layers have no pip and their interpreter runs isolated, so ``pip
-install`` cannot reach them. ``install_layer`` writes this package's runtime
-modules (not its test kit, ``testing/``) and its start-up hook
-(``mlx_lm_mla.pth``) into the layer's site-packages, with a standard
-``mlx_lm_mla-<version>.dist-info`` (METADATA, INSTALLER, RECORD) listing
-every file written; ``uninstall_layer`` removes exactly what RECORD lists.
-No other file of the layer is touched: not ``sitecustomize.py``, not
-another package. Each returns its message and a ``write()`` that makes the
-change; nothing is written before.
+The layers have no pip and run isolated: ``install_layer`` writes the runtime
+modules and ``mlx_lm_mla.pth`` into the layer's site-packages with a standard
+dist-info whose RECORD lists every file; ``uninstall_layer`` removes exactly
+those. No other file of the layer is touched.
 """
 
 import base64
@@ -26,12 +21,14 @@ PACKAGE = "mlx_lm_mla"
 PTH = "mlx_lm_mla.pth"
 INSTALLER = "mlx-lm-mla"
 RESTART = "restart LM Studio or reload the model"
-# The package's test kit stays out of LM Studio's runtime.
 NOT_SHIPPED = ("testing",)
 
 
 def _digest(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return (
+        "sha256="
+        + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
 
 
 def _is_pyc_of(path: Path, modules) -> bool:
@@ -44,18 +41,22 @@ def _is_pyc_of(path: Path, modules) -> bool:
 
 
 class Install:
-    """This package's record in one layer's site-packages, read with importlib.metadata."""
+    """This package's record in one layer's site-packages."""
 
     def __init__(self, site: Path):
         self.site = site
         found = _dists(site, NAME)
         if len(found) > 1:
-            raise Refused(f"{len(found)} records of {NAME} in {site}; expected one at most")
+            raise Refused(
+                f"{len(found)} records of {NAME} in {site}; expected one at most"
+            )
         self.dist = found[0] if found else None
         if self.dist is None:
             stray = [p.name for p in (site / PACKAGE, site / PTH) if p.exists()]
             if stray:
-                raise Refused(f"{', '.join(stray)} in {site} without a record; not touching them")
+                raise Refused(
+                    f"{', '.join(stray)} in {site} without a record; not touching them"
+                )
             self.files = {}
             return
         if self.dist.files is None:
@@ -63,7 +64,8 @@ class Install:
         installer = (self.dist.read_text("INSTALLER") or "").strip()
         if installer != INSTALLER:
             raise Refused(
-                f"{NAME} in {site} was installed by {installer or 'an unknown installer'}, "
+                f"{NAME} in {site} was installed by "
+                f"{installer or 'an unknown installer'}, "
                 "not by `mlx-lm-mla lmstudio`; remove it with that tool"
             )
         self.files = {site / f: f for f in self.dist.files}
@@ -85,8 +87,14 @@ class Install:
         modules = {p for p in self.files if p.suffix == ".py"}
         for folder in {p.parent for p in self.files if p.parent != self.site}:
             for path in sorted(folder.rglob("*")):
-                if path.is_file() and path not in self.files and not _is_pyc_of(path, modules):
-                    problems.append(f"{path.relative_to(self.site)} is not in the record")
+                if (
+                    path.is_file()
+                    and path not in self.files
+                    and not _is_pyc_of(path, modules)
+                ):
+                    problems.append(
+                        f"{path.relative_to(self.site)} is not in the record"
+                    )
         return problems
 
     def check(self):
@@ -104,8 +112,15 @@ def payload():
     pth = package.parent / PTH  # beside the package: site-packages, or the checkout
     if not pth.is_file():
         raise Refused(f"cannot find {PTH} beside {package}; reinstall {NAME}")
-    modules = sorted(p for p in package.rglob("*.py") if p.relative_to(package).parts[0] not in NOT_SHIPPED)
-    files = {f"{PACKAGE}/{p.relative_to(package).as_posix()}": p.read_bytes() for p in modules}
+    modules = sorted(
+        p
+        for p in package.rglob("*.py")
+        if p.relative_to(package).parts[0] not in NOT_SHIPPED
+    )
+    files = {
+        f"{PACKAGE}/{p.relative_to(package).as_posix()}": p.read_bytes()
+        for p in modules
+    }
     files[PTH] = pth.read_bytes()
     info = f"{PACKAGE}-{__version__}.dist-info"
     files[f"{info}/METADATA"] = (
@@ -125,7 +140,9 @@ def payload():
 
 def _writable(paths):
     for path in paths:
-        if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+        if path.exists() and not os.access(
+            path, os.W_OK | (os.X_OK if path.is_dir() else 0)
+        ):
             raise Refused(f"cannot write to {path}")
 
 
@@ -169,7 +186,13 @@ def install_layer(layer: Path):
         done = f"installed {NAME} {__version__}"
     else:
         new_key, old_key = _version_key(__version__), _version_key(old.version)
-        verb = "upgraded" if new_key > old_key else "downgraded" if new_key < old_key else "rewrote"
+        verb = (
+            "upgraded"
+            if new_key > old_key
+            else "downgraded"
+            if new_key < old_key
+            else "rewrote"
+        )
         done = f"{verb} {NAME} {old.version} to {__version__}"
 
     def write():
@@ -221,7 +244,10 @@ def uninstall_layer(layer: Path):
             _remove(path)
         _prune(site, folders)
 
-    return f"{layer}: removed {NAME} {old.version} ({len(old.files)} files); {RESTART}", write
+    return (
+        f"{layer}: removed {NAME} {old.version} ({len(old.files)} files); {RESTART}",
+        write,
+    )
 
 
 def layer_status(layer: Path) -> str:

@@ -1,19 +1,10 @@
 """Every change this package makes to mlx-lm, applied from one table.
 
-Each module here lists its changes as ``Patch`` rows: ``quantize``
-(``mlx_lm.models.cache``: quantizing a latent in place, batching it),
-``models`` (the MLA model modules: their attention), ``files`` (prompt cache
-files), ``generate`` (``mlx_lm.generate``) and ``server``
-(``mlx_lm.server``, applied when the server is imported, so a program that
-never imports it does not load it).
-
-``install()`` applies every row and returns what it patched; calling it
-again changes nothing. ``uninstall()`` puts every original back. Each row
-belongs to a feature (``table.py``), applied all or none: only where every
-target is there and takes what its replacement takes, and every mlx-lm name
-the feature reads is as expected (``contract.py``). ``missing()`` names each
-one that is not; one log line (logger ``mlx_lm_mla``, WARNING) and a
-warning, once per name, say so, naming the features switched off.
+Each module here lists its changes as ``Patch`` rows (``server``'s when
+``mlx_lm.server`` is imported). A feature's rows apply all or none: only where
+every target takes what its replacement takes and every name it reads holds
+(``contract.py``). ``missing()`` names what does not, as do one log line and a
+warning per name.
 """
 
 import importlib
@@ -45,7 +36,6 @@ logger = logging.getLogger("mlx_lm_mla")
 
 
 def mlx_lm_version():
-    """The installed mlx-lm's release as (major, minor, patch)."""
     import mlx_lm
 
     return (Version(mlx_lm.__version__).release + (0, 0, 0))[:3]
@@ -54,22 +44,21 @@ def mlx_lm_version():
 def is_supported() -> bool:
     import mlx_lm
 
-    return SpecifierSet(MLX_LM_RANGE).contains(Version(mlx_lm.__version__), prereleases=True)
+    return SpecifierSet(MLX_LM_RANGE).contains(
+        Version(mlx_lm.__version__), prereleases=True
+    )
 
 
 def installed():
-    """Labels of the patches in force."""
     return [p[4] for p in _applied]
 
 
 def missing():
-    """What this mlx-lm lacks: targets that are gone or take other
-    parameters, and names of the contract that are not as expected."""
+    """Targets and contract names this mlx-lm lacks or has otherwise."""
     return list(_missing)
 
 
 def features_on():
-    """The features in force."""
     return list(dict.fromkeys(p[5] for p in _applied if p[5] is not None))
 
 
@@ -79,8 +68,8 @@ def _miss(label):
 
 
 def _report():
-    """Says what is missing: one log line per install (and one more if the
-    server's patches find more), and a warning once per name."""
+    """One log line per install (one more if the server's patches find more) and
+    a warning once per name."""
     global _logged
     import mlx_lm
 
@@ -105,9 +94,13 @@ def _report():
 
 
 def set_attr(owner, name, value, label=None, feature=None):
-    """Sets ``owner.name``, recorded so that ``uninstall()`` puts it back."""
+    """Sets ``owner.name``, recorded for ``uninstall()``."""
     if label is None:
-        where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+        where = (
+            owner.__name__
+            if isinstance(owner, types.ModuleType)
+            else f"{owner.__module__}.{owner.__qualname__}"
+        )
         label = f"{where}.{name}"
     had = name in vars(owner)
     _applied.append((owner, name, had, vars(owner).get(name), label, feature))
@@ -127,8 +120,7 @@ _checked = {}  # label of a contract row: its problem or None, per install
 
 
 def broken_names(features):
-    """{feature: labels of the rows it relies on that do not hold}, for
-    ``features``; rows of a later mlx-lm than the installed one are skipped."""
+    """{feature: labels of the contract rows it relies on that do not hold}."""
     broken = {}
     for row in contract.NAMES:
         relied = [f for f in row.features if f in features]
@@ -142,9 +134,8 @@ def broken_names(features):
 
 
 def _plan(patch):
-    """(owner, name, original, replacement) for one row, or the label that
-    names why it cannot be applied (its target, absent or taking other
-    parameters than its replacement)."""
+    """(owner, name, original, replacement), or the label of a target that is
+    absent or takes other parameters."""
     if patch.how == "unknown":
         return patch.target
     module = importlib.import_module(patch.module)
@@ -179,7 +170,10 @@ def _apply(patch, planned):
         set_attr(owner, name, classmethod(replacement), label, patch.feature)
     elif patch.how == "rebind":
         for module_name, bound in list(sys.modules.items()):
-            if module_name.startswith("mlx_lm") and getattr(bound, name, None) is current:
+            if (
+                module_name.startswith("mlx_lm")
+                and getattr(bound, name, None) is current
+            ):
                 where = f"{module_name}.{name}"
                 set_attr(bound, name, replacement, where, patch.feature)
     else:
@@ -187,9 +181,7 @@ def _apply(patch, planned):
 
 
 def apply_table(rows):
-    """Applies the rows of each feature all or none: a feature with a name
-    that does not hold (``contract.NAMES``) or a row that cannot be applied
-    is switched off as a whole, and what it lacks is named in missing()."""
+    """Applies each feature's rows all or none, naming what it lacks in missing()."""
     broken = broken_names({p.feature for p in rows})
     planned = []
     for patch in rows:
@@ -220,18 +212,14 @@ def _install_server(server):
 
 
 def server_imported(server):
-    """Applies the server's patches once ``mlx_lm.server`` is imported."""
     if _applied and hasattr(server, "main"):
         _install_server(server)
         _report()
 
 
 def install():
-    """Activates the MLA caches and the guards. Idempotent.
-
-    Returns:
-        List[str]: what is patched, e.g. ``mlx_lm.models.cache.KVCache.to_quantized``.
-    """
+    """Activates the MLA caches and the guards; idempotent. Returns what is
+    patched, e.g. ``mlx_lm.models.cache.KVCache.to_quantized``."""
     global _warned
     import mlx_lm
 
@@ -266,7 +254,7 @@ def install():
 
 
 def uninstall():
-    """Restores everything ``install()`` changed. Returns what was restored."""
+    """Restores everything ``install()`` changed; returns what it restored."""
     global _logged
     from ..mla import _FOUND, ATTENTION
 

@@ -1,15 +1,8 @@
-"""Every name of mlx-lm the package reads, subclasses or looks up by
-string, public or private, with what it expects of it, the features that
-rely on it and why; and the few names of mlx and of the standard library it
-reads that are outside their documented API or changed form across the
-supported range. A function or method the package wraps or rebinds is
-checked against what its replacement takes (``signature_problem``), so
-that fact lives in the replacement alone; it has a row only where other
-code of the package calls it too.
-
-``install()`` checks the rows of a feature before it applies the feature's
-patches; a row that does not hold is named in ``missing()``, and every
-feature that relies on it is off as a whole, never half on.
+"""Every mlx-lm name the package reads, subclasses or looks up by string (and the
+few of mlx and the standard library outside their documented API), with what it
+expects, the features relying on it and why. A wrapped target is checked against
+its replacement's parameters (``signature_problem``) and has a row only where
+other code calls it too. A row that does not hold switches its features off.
 """
 
 import ast
@@ -53,9 +46,8 @@ class Keywords:
 
 @dataclass(frozen=True)
 class Field:
-    """An instance attribute: assigned as ``self.<name>`` in the class's
-    source, or a field of a dataclass; with ``of``, on an instance made with
-    no arguments, an instance of that class of the same module."""
+    """An instance attribute (``self.<name>`` or a dataclass field); with ``of``,
+    on a default instance, an instance of that class of the same module."""
 
     of: Optional[str] = None
 
@@ -76,9 +68,8 @@ class Exists:
 
 @dataclass(frozen=True)
 class Calls:
-    """A module global holding the module ``module``, through which the
-    same module's ``function`` makes each of ``calls`` (dotted names; a
-    leading dot: that method of any object)."""
+    """A global holding ``module``, through which ``function`` makes each of
+    ``calls`` (a leading dot: that method of any object)."""
 
     module: str
     function: str
@@ -87,9 +78,8 @@ class Calls:
 
 @dataclass(frozen=True)
 class Holds:
-    """A string in the source of a function or class: a dict key it uses,
-    or a command-line flag it defines (``--kv-bits`` is read back as
-    ``cli_args.kv_bits``)."""
+    """A string in the source of a function or class: a dict key, or a flag it
+    defines (``--kv-bits`` is read back as ``cli_args.kv_bits``)."""
 
     text: str
 
@@ -341,9 +331,16 @@ NAMES = (
     *_rows(
         "mlx_lm.utils",
         (TINY,),
-        ("_get_classes", Method(("config",)), "a tiny model is built from a config dict as load builds it"),
-        ("quantize_model", Method(("model", "config", "group_size", "bits")),
-         "a tiny model is quantized as mlx_lm.convert quantizes"),
+        (
+            "_get_classes",
+            Method(("config",)),
+            "a tiny model is built from a config dict as load builds it",
+        ),
+        (
+            "quantize_model",
+            Method(("model", "config", "group_size", "bits")),
+            "a tiny model is quantized as mlx_lm.convert quantizes",
+        ),
     ),
     *_rows(
         "socketserver",
@@ -487,11 +484,10 @@ _POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
 
 
 def signature_problem(replacement, original):
-    """Why ``replacement`` cannot stand for ``original``, from their
-    parameters, or None. Its named positional parameters lead the original's
-    (without ``*args`` it takes no more); without ``**kwargs`` it takes every
-    keyword-only one and the original has no ``*args`` or ``**kwargs``; a
-    default it gives is the original's."""
+    """Why ``replacement`` cannot stand for ``original``, from their parameters,
+    or None: its positional ones lead the original's; without ``*args`` or
+    ``**kwargs`` it takes all the original's positional or keyword ones; the
+    defaults it gives are the original's."""
     mine, theirs = _params(replacement), _params(original)
     if theirs is None:
         return "its parameters cannot be read"

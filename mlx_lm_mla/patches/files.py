@@ -1,7 +1,5 @@
-"""Patches on prompt cache files (``save_prompt_cache`` /
-``load_prompt_cache`` of ``mlx_lm.models.cache``), so a damaged file is
-refused by name instead of loading garbage, and a latent cache is saved
-with a checksum."""
+"""Patches on ``save_prompt_cache``/``load_prompt_cache``: a latent cache is saved
+with a checksum, and a damaged file is refused by name instead of loading garbage."""
 
 import functools
 import json
@@ -16,10 +14,8 @@ from .table import FILES, Patch
 CACHE = "mlx_lm.models.cache"
 
 
-# mlx before 0.32.4 cannot write a zero-size array, and mlx-lm 0.31's DSA
-# indexer keeps its values as one (width 0), so stock cannot save a
-# DeepSeek-V3.2 / GLM-5 cache there. Where mlx cannot, such an array is
-# written as a stand-in, its shape and dtype recorded here, and put back on load.
+# mlx < 0.32.4 cannot write a zero-size array, which mlx-lm 0.31's DSA indexer
+# keeps as values: such an array is written as a stand-in, recorded here.
 EMPTY = "mlx_lm_mla_empty"
 
 
@@ -30,7 +26,9 @@ def _mlx_writes_empty():
 
     with tempfile.TemporaryDirectory() as folder:
         try:
-            mx.save_safetensors(os.path.join(folder, "probe.safetensors"), {"a": mx.zeros((0,))})
+            mx.save_safetensors(
+                os.path.join(folder, "probe.safetensors"), {"a": mx.zeros((0,))}
+            )
         except ValueError:
             return False
     return True
@@ -51,8 +49,7 @@ def _stand_in(x):
 
 
 def _writable(layer):
-    """``layer``, or a copy of it whose state has no zero-size array; and
-    where those arrays were."""
+    """``layer``, or a copy with no zero-size array, and where those were."""
     from mlx.utils import tree_flatten, tree_map
 
     if _mlx_writes_empty():
@@ -63,7 +60,9 @@ def _writable(layer):
         return layer, []
     copy = deepcopy(layer)  # the caller's cache is left as it is
     copy.state = tree_map(_stand_in, state)
-    return copy, [[path, list(x.shape), str(x.dtype).rsplit(".", 1)[-1]] for path, x in empty]
+    return copy, [
+        [path, list(x.shape), str(x.dtype).rsplit(".", 1)[-1]] for path, x in empty
+    ]
 
 
 def _replace(tree, path, value):
@@ -102,10 +101,8 @@ def table():
 
 
 def checked_save(original):
-    """``save_prompt_cache`` that stores a checksum with a latent cache
-    (``checksum.py``; one the caller's metadata holds already, made by
-    ``add_checksum`` with this function, is kept), and writes a cache
-    holding zero-size arrays (see ``EMPTY``)."""
+    """``save_prompt_cache`` that stores a checksum with a latent cache (keeping one
+    the caller's metadata holds) and writes zero-size arrays (``EMPTY``)."""
 
     def save_prompt_cache(file_name, cache, *args, **kwargs):
         layers, empty = [], {}
@@ -129,9 +126,8 @@ def checked_save(original):
 
 
 def checked_load(original):
-    """``load_prompt_cache`` that checks the file is whole first, puts back
-    what ``checked_save`` stood in for, and hands back the caller's metadata
-    without the package's own fields."""
+    """``load_prompt_cache`` that checks the file first, puts back the stand-ins and
+    drops the package's own metadata."""
 
     def load_prompt_cache(file_name, return_metadata=False):
         check_cache_file(file_name)

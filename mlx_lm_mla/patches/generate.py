@@ -1,15 +1,20 @@
-"""Patches on ``mlx_lm.generate``: a prompt cache is checked against its
-model and the quantization asked for before the first step, and
-``BatchGenerator`` quantizes the batches of an MLA model served with
-``--kv-bits`` (applied with the server's patches, ``server.py``, which let
-the server batch them)."""
+"""Patches on ``mlx_lm.generate``: a prompt cache is checked against its model and
+``kv_bits`` before the first step, and ``BatchGenerator`` quantizes an MLA
+model's batches under ``--kv-bits`` (applied with the server's patches)."""
 
 import contextvars
 import inspect
 from dataclasses import dataclass
 
 from ..cache import _PackedLatent
-from ..mla import ATTENTION, found_once, has_latent_attention, latent_modules, leaves, mark_model_caches
+from ..mla import (
+    ATTENTION,
+    found_once,
+    has_latent_attention,
+    latent_modules,
+    leaves,
+    mark_model_caches,
+)
 from .table import CACHE_CHECKS, Patch
 from . import quantize
 
@@ -27,7 +32,9 @@ class KVSettings:
         # mlx-lm 0.31's server has no --kv-bits (its contract rows start at 0.32).
         if getattr(cli_args, "kv_bits", None) is None:
             return None
-        return cls(cli_args.kv_group_size, cli_args.kv_bits, cli_args.quantized_kv_start)
+        return cls(
+            cli_args.kv_group_size, cli_args.kv_bits, cli_args.quantized_kv_start
+        )
 
 
 # The settings of the server whose generation loop runs in this thread: set
@@ -38,12 +45,14 @@ GENERATE = "mlx_lm.generate"
 
 
 def table():
-    return [Patch(GENERATE, "generate_step", "rebind", checked_generate_step, CACHE_CHECKS)]
+    return [
+        Patch(GENERATE, "generate_step", "rebind", checked_generate_step, CACHE_CHECKS)
+    ]
 
 
 def quantizing_next(original):
-    """``BatchGenerator._next`` that quantizes the batches of an MLA model
-    served with ``--kv-bits`` (see ``server.batchable_with_kv_bits``)."""
+    """``BatchGenerator._next`` that quantizes an MLA model's batches under
+    ``--kv-bits``."""
 
     def _next(self):
         result = original(self)
@@ -51,7 +60,10 @@ def quantizing_next(original):
         if settings is not None and has_latent_attention(self.model):
             for batch in (self._prompt_batch, self._generation_batch):
                 quantize.quantize_batches(
-                    batch.prompt_cache, settings.group_size, settings.bits, settings.start
+                    batch.prompt_cache,
+                    settings.group_size,
+                    settings.bits,
+                    settings.start,
                 )
         return result
 
@@ -60,14 +72,15 @@ def quantizing_next(original):
 
 
 def _latent_widths(model):
-    """{layer index: (latent width, RoPE width, CacheList member or None)}
-    for the layers with one MLA attention."""
+    """{layer: (latent width, RoPE width, CacheList member)} of MLA layers."""
 
     def find():
         found = {}
         for i, layer in enumerate(getattr(model, "layers", [])):
             mods = latent_modules(layer)
-            rope = getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
+            rope = (
+                getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
+            )
             if isinstance(rope, int):
                 found[i] = (mods[0].kv_lora_rank, rope, ATTENTION[type(mods[0])])
         return found
@@ -76,9 +89,8 @@ def _latent_widths(model):
 
 
 def cache_mismatch(model, cache):
-    """Why ``cache`` cannot serve ``model``, or None. Checks the layers that
-    cache an MLA latent: a cache of per-head K/V (saved from a model with
-    full attention, such as DeepSeek-V2) or of other widths is named."""
+    """Why ``cache`` cannot serve ``model``'s MLA layers (per-head K/V, or other
+    widths), or None."""
     import mlx.core as mx
 
     widths = _latent_widths(model) if cache else {}
@@ -86,7 +98,11 @@ def cache_mismatch(model, cache):
         return None
     for i, (latent, rope, member) in widths.items():
         c, inner = cache[i], getattr(cache[i], "caches", None)
-        if member is not None and isinstance(inner, (list, tuple)) and len(inner) > member:
+        if (
+            member is not None
+            and isinstance(inner, (list, tuple))
+            and len(inner) > member
+        ):
             c = inner[member]
         fmt = getattr(c, "_format", None)
         if fmt is not None:
@@ -116,8 +132,7 @@ def cache_mismatch(model, cache):
 
 
 def checked_generate_step(original):
-    """``generate_step`` that refuses a prompt cache its model cannot use, or
-    one quantized otherwise than ``kv_bits`` asks, before the first step."""
+    """``generate_step`` refusing a prompt cache of another model or ``kv_bits``."""
 
     # Keyword-only parameters of generate_step (a contract row says so).
     default_group_size = inspect.signature(original).parameters["kv_group_size"].default
@@ -140,15 +155,16 @@ def checked_generate_step(original):
 
 
 def settings_mismatch(cache, bits, group_size):
-    """Why a cache whose latent is quantized cannot continue under ``kv_bits``
-    / ``kv_group_size``, or None. Refused up front, as ``mlx_lm.generate``
-    refuses a loaded ``QuantizedKVCache`` of other bits: otherwise it would
-    fail only once ``quantized_kv_start`` is reached (``to_quantized`` does
-    not requantize), and until then decode at the cache's own bits."""
+    """Why a quantized latent cannot continue under ``kv_bits``/``kv_group_size``,
+    or None: refused up front, as mlx-lm refuses a ``QuantizedKVCache`` of other
+    bits, not only once ``quantized_kv_start`` is reached."""
     if bits is None:
         return None
     for c in leaves(cache):
-        if isinstance(c, _PackedLatent) and (c.group_size, c.latent_bits) != (int(group_size), int(bits)):
+        if isinstance(c, _PackedLatent) and (c.group_size, c.latent_bits) != (
+            int(group_size),
+            int(bits),
+        ):
             return (
                 f"prompt cache: its MLA latent is quantized with group_size "
                 f"{c.group_size} and {c.latent_bits} bits; kv_bits {bits} with "

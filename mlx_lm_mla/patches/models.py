@@ -1,10 +1,6 @@
-"""Patches on mlx-lm's MLA model modules (``mlx_lm.models.<model>``): their
-attention marks the cache it writes (``mla.py``), and their decode steps
-read the latent once (``decode.py``). Each module's are a feature of its own.
-
-Which modules and classes is read from the installed sources: a module's
-decode attention is changed only where each of its MLA attention classes
-calls ``scaled_dot_product_attention`` by that name.
+"""Patches on mlx-lm's MLA model modules: their attention marks the cache it
+writes (``mla.py``) and their decode steps read the latent once (``decode.py``),
+a feature per module.
 """
 
 import inspect
@@ -16,10 +12,8 @@ SDPA = "scaled_dot_product_attention"
 
 
 def table():
-    """The MLA attention classes of the installed mlx-lm, each marking the
-    cache it writes, and their modules' decode attention. One whose source
-    does not say which cache, whose ``__call__`` takes no ``cache``, or that
-    does not call ``SDPA``, is named in missing()."""
+    """Rows for each installed MLA attention and its module's decode attention; a
+    class that does not say which cache it writes, or call ``SDPA``, is missing."""
     classes, unreadable = mla.load_attention()
     rows, modules = [], {}
     for cls, member in classes.items():

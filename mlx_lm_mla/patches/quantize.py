@@ -1,13 +1,6 @@
-"""Patches on ``mlx_lm.models.cache`` for MLA models.
-
-MLA models keep stock's caches (``KVCache``, ``RotatingKVCache``,
-``BatchKVCache``): other programs know those classes by name, and they serve
-a plain latent well. The patches act where stock goes wrong, at
-quantization, and register the quantized classes where
-``load_prompt_cache`` and ``CacheList`` look them up by name.
-
-Which caches hold a latent is known from the attention that writes them
-(``mla.py``), not from their widths.
+"""Patches on ``mlx_lm.models.cache`` for MLA models: stock's caches serve a plain
+latent well, so these act where stock goes wrong, at quantization, and register
+the quantized classes where ``load_prompt_cache`` looks them up by name.
 """
 
 from mlx_lm.models.cache import BatchKVCache
@@ -28,7 +21,9 @@ CACHE = "mlx_lm.models.cache"
 
 
 def table():
-    rows = [(cls.__name__, "set", lambda _, c=cls: c) for cls in QUANTIZED_LATENT.values()]
+    rows = [
+        (cls.__name__, "set", lambda _, c=cls: c) for cls in QUANTIZED_LATENT.values()
+    ]
     rows += [
         ("make_prompt_cache", "rebind", marked_make_prompt_cache),
         ("KVCache.to_quantized", "wrap", latent_to_quantized),
@@ -47,13 +42,14 @@ def table():
 
 
 def latent_to_quantized(original):
-    """``to_quantized`` of a stock cache: a cache that holds an MLA latent
-    quantizes it in place; any other cache does what upstream does."""
+    """``to_quantized`` that quantizes an MLA latent in place; else upstream's."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         if is_latent(self):
             # An empty latent cache has no widths to quantize yet.
-            return self if self.keys is None else quantize_latent(self, group_size, bits)
+            return (
+                self if self.keys is None else quantize_latent(self, group_size, bits)
+            )
         return original(self, group_size, bits)
 
     to_quantized.mlx_lm_mla_original = original
@@ -61,8 +57,7 @@ def latent_to_quantized(original):
 
 
 def latent_merge(original, owner):
-    """``BatchKVCache.merge`` that batches quantized latent caches with
-    exact ones, each row keeping its precision (``cache.merge_latent``)."""
+    """``BatchKVCache.merge`` that batches quantized latents with exact ones."""
 
     def merge(cls, caches):
         batch = merge_latent(caches) if cls is owner else None
@@ -89,8 +84,7 @@ def marked_extract(original):
 
 
 def marked_make_prompt_cache(original):
-    """``make_prompt_cache`` whose caches are known not to hold a latent when
-    the model has no MLA attention."""
+    """``make_prompt_cache`` that marks a non-MLA model's caches."""
 
     def make_prompt_cache(model, *args, **kwargs):
         return mark_model_caches(model, original(model, *args, **kwargs))
@@ -100,9 +94,8 @@ def marked_make_prompt_cache(original):
 
 
 # --- CacheList models (DeepSeek-V3.2, GLM-5, LongCat-Flash) ----------------
-# Stock never quantizes a CacheList: maybe_quantize_kv_cache skips anything
-# without ``to_quantized``. A CacheList that holds a latent shows one (and
-# the offset it is read with); any other keeps stock's behaviour exactly.
+# Stock's maybe_quantize_kv_cache skips a cache without ``to_quantized``: a
+# CacheList that holds a latent shows one (and its offset); any other does not.
 
 
 def _latent_members(cache_list):
@@ -130,8 +123,8 @@ def cache_list_offset(self):
 
 
 def refuse_quantized_merge(original):
-    """``BatchRotatingKVCache.merge``, which would batch the bytes of a
-    quantized window and hand them to the model."""
+    """``BatchRotatingKVCache.merge``, which would hand a quantized window's bytes
+    to the model."""
 
     def merge(cls, caches):
         if any(isinstance(c, _PackedLatent) for c in caches):
@@ -145,8 +138,7 @@ def refuse_quantized_merge(original):
 
 
 def latent_extend(original):
-    """``BatchKVCache.extend``: a batch that takes quantized rows keeps its
-    own rows exact (``cache.extend_latent``)."""
+    """``BatchKVCache.extend`` keeping its own rows exact (``extend_latent``)."""
 
     def extend(self, other):
         if isinstance(self, _PackedLatent):  # reached through its super()
@@ -161,9 +153,8 @@ def latent_extend(original):
 
 
 def quantize_batches(caches, group_size, bits, start):
-    """Quantizes, in place, the latent of each row of a batch's caches whose
-    own length has reached ``start``: a row's precision depends on that row
-    alone, not on the longest row beside it (see ``BatchMixedLatentCache``)."""
+    """Quantizes in place each batch row whose own length reached ``start``, not
+    the longest row's (``BatchMixedLatentCache``)."""
     batches = [
         c
         for c in leaves(caches)
@@ -173,11 +164,14 @@ def quantize_batches(caches, group_size, bits, start):
     ]
     if not batches:
         return
-    # Every layer of one batch holds the same rows, quantized alike (this
-    # loop quantizes them together): their lengths and flags are read once.
+    # Every layer holds the same rows, quantized alike: read them once.
     first = batches[0]
     lengths = first.offset.tolist()
-    done = first.quantized.tolist() if isinstance(first, BatchMixedLatentCache) else [False] * len(lengths)
+    done = (
+        first.quantized.tolist()
+        if isinstance(first, BatchMixedLatentCache)
+        else [False] * len(lengths)
+    )
     rows = [i for i, (n, q) in enumerate(zip(lengths, done)) if n >= start and not q]
     for c in batches:
         quantize_rows(c, rows, group_size, bits)

@@ -1,7 +1,5 @@
-"""Patches on ``mlx_lm.server``, applied when it is imported: the guards
-(``guards/``) on its HTTP side, its generation loop and its shared prompt
-cache, batching of MLA models under ``--kv-bits``, and the prompt caches'
-disk tier (``disk/``, ``--prompt-cache-dir``)."""
+"""Patches on ``mlx_lm.server``, applied when it is imported: the guards, batching
+of MLA models under ``--kv-bits``, and the disk tier."""
 
 import sys
 
@@ -41,8 +39,7 @@ def table():
               requests.refused_parameters, BAD_REQUESTS),
         Patch(SERVER, f"{handler}.do_POST", "wrap", requests.answered_post,
               BAD_REQUESTS),
-        # The server batches MLA models under --kv-bits; its BatchGenerators
-        # quantize them.
+        # The server batches MLA models under --kv-bits; BatchGenerator quantizes.
         Patch(SERVER, f"{generator}._is_batchable", "wrap", batchable_with_kv_bits,
               KV_BATCHING),
         Patch(SERVER, f"{generator}._generate", "wrap", generate_with_kv_settings,
@@ -67,11 +64,8 @@ def table():
 
 
 def batchable_with_kv_bits(original):
-    """``ResponseGenerator._is_batchable`` that keeps batching MLA models when
-    ``--kv-bits`` is set. Upstream refuses, since its quantized cache cannot
-    batch; a latent batch can, each row quantized once its own length
-    reaches ``--quantized-kv-start`` (``generate.quantizing_next``). Other
-    models keep upstream behaviour."""
+    """``ResponseGenerator._is_batchable`` that batches MLA models under
+    ``--kv-bits``: upstream's quantized cache cannot batch, a latent batch can."""
 
     def _is_batchable(self, args):
         if original(self, args):
@@ -90,9 +84,8 @@ def batchable_with_kv_bits(original):
 
 
 def generate_with_kv_settings(original):
-    """``ResponseGenerator._generate`` (the generation thread) with the
-    server's ``--kv-bits`` settings in ``generate.SERVER_KV`` for the
-    BatchGenerators it runs."""
+    """``ResponseGenerator._generate`` with the server's ``--kv-bits`` settings in
+    ``SERVER_KV`` for its BatchGenerators."""
 
     def _generate(self):
         token = SERVER_KV.set(KVSettings.of(self.cli_args))

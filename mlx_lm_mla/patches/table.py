@@ -1,11 +1,9 @@
-"""A row of the patch table: one change to mlx-lm (see ``__init__.py``),
-and the features the rows make up."""
+"""A row of the patch table, and the features the rows make up."""
 
 from dataclasses import dataclass
 from typing import Callable
 
-# What is switched on or off as a whole: a feature's patches are applied
-# all or none, and only where every name it reads holds (``contract.py``).
+# Each is switched on or off as a whole.
 EVERYTHING = "everything"  # the package's caches subclass stock's
 QUANTIZE = "MLA latent quantization"
 FILES = "checked prompt cache files"
@@ -17,8 +15,7 @@ REUSE = "prompt cache reuse guards"
 DISK = "prompt caches on disk"
 RECOVERY = "recovery after a failure"
 SAMPLING = "sampling guards"
-# Not a patch: the commands that build tiny models (repro, tiny-model) check
-# the names they read before they run.
+# Not a patch: repro and tiny-model check the names they read before they run.
 TINY = "tiny models (repro, tiny-model)"
 
 
@@ -32,17 +29,10 @@ def marks_feature(module):
 
 @dataclass(frozen=True)
 class Patch:
-    """``module.target`` (``"Class.attribute"`` or ``"function"``) replaced.
-
-    how: ``wrap``: by ``make(original)``; ``classmethod``: the classmethod's
-    function by ``make(function)``; ``set``: by ``make(original)``, where
-    the attribute may not exist yet (None) or is not a function;
-    ``rebind``: a function by ``make(original)``, wherever mlx-lm bound it
-    by name (``from ... import``) too; ``unknown``: nothing, a target known
-    not to be readable (named in missing() as is).
-    feature: the feature it belongs to (off as a whole when it cannot be
-    applied). A wrapped, rebound or classmethod target must take what its
-    replacement takes (``contract.signature_problem``)."""
+    """``module.target`` (``"Class.attribute"`` or ``"function"``) replaced by
+    ``make(original)``. how: ``wrap``; ``classmethod`` (its function); ``set``
+    (the original may be absent or not a function); ``rebind`` (also wherever
+    mlx-lm imported it by name); ``unknown`` (nothing: named in missing())."""
 
     module: str
     target: str

@@ -1,16 +1,7 @@
-"""Fault injection for tests: a server that fails where it is told to.
-
-``python -m mlx_lm_mla.testing.faults point:n [mlx_lm.server flags]`` runs
-``mlx_lm.server`` with the fix, where the n-th call of ``point`` in the
-process raises ``InjectedFault`` (once). The runtime never imports this
-module. Points are the latent cache operations
-(``update_and_fetch``, ``trim``, ``merge``, ``extract``, ``filter``,
-``extend``, ``to_quantized``), ``prefill`` (an update of more than one token),
-``decode`` (an update of one token) and ``sample`` (one request's sampler in
-a generation step; it fails inside a function compiled with
-``mx.random.state`` as input and output, as a failing mlx-lm sampler does).
-Tests use it to check that a failing request ends with a clear error and
-leaves nothing behind.
+"""Fault injection for tests: ``python -m mlx_lm_mla.testing.faults point:n
+[mlx_lm.server flags]`` runs the server with the fix, the n-th call of ``point``
+raising ``InjectedFault`` once (``sample`` fails inside a compiled function, as
+a failing mlx-lm sampler does).
 """
 
 import functools
@@ -36,7 +27,6 @@ class InjectedFault(RuntimeError):
 
 
 def parse(spec):
-    """(point, n) from ``point:n``."""
     point, _, n = spec.strip().partition(":")
     if point not in POINTS or not n.isdigit() or int(n) < 1:
         raise ValueError(
@@ -78,9 +68,8 @@ def wrap(function, name, trigger):
 
 
 def wrap_traced(function, name, trigger):
-    """function, raising at the trigger's point first, from inside a traced
-    function that captures ``mx.random.state``: the failure leaves the
-    random state holding an array that was never computed."""
+    """``wrap`` failing inside a function compiled over ``mx.random.state``, which
+    leaves the state holding an array never computed."""
     import mlx.core as mx
 
     @functools.wraps(function)
@@ -96,9 +85,8 @@ def wrap_traced(function, name, trigger):
 
 
 def install(spec):
-    """Makes the operations of the caches an MLA model gets, exact or
-    quantized, fail at ``spec`` (``point:n``). Through the patch table, so
-    ``mlx_lm_mla.uninstall()`` takes them out too."""
+    """Makes the MLA caches' operations fail at ``spec``, through the patch table
+    so ``uninstall()`` takes them out."""
     import mlx_lm.models.cache as cache_module
 
     from .. import patches
@@ -118,7 +106,9 @@ def install(spec):
     # Every quantization of a latent, single or batch, goes through this.
     for name in ("quantize_latent", "quantize_rows"):
         quantize = getattr(quantize_patches, name)
-        patches.set_attr(quantize_patches, name, wrap(quantize, "to_quantized", trigger))
+        patches.set_attr(
+            quantize_patches, name, wrap(quantize, "to_quantized", trigger)
+        )
     # One request's sampler in a server's generation step.
     run = sampling.RowSampler.run
     patches.set_attr(sampling.RowSampler, "run", wrap_traced(run, "sample", trigger))

@@ -1,37 +1,22 @@
-"""The README's model table: what ``kv_bits`` does to each MLA model of the
-installed mlx-lm, found by running it, never written by hand.
-
-    python -m mlx_lm_mla.testing.model_table
-
-prints a markdown table between two marker lines, to paste into README.md
-over the old one (``tests/test_readme.py`` checks that they agree):
-
-- the rows are the MLA model types ``mla.installed_model_types()`` finds in
-  the installed mlx-lm's sources, and the module whose attention each uses;
-- "what ``kv_bits`` does" comes from the tiny random model of each type
-  (``tiny.build_model``) with the package installed: its cache from
-  ``make_prompt_cache``, a few tokens written through the model, then
-  ``maybe_quantize_kv_cache`` at 4 bits, as ``generate_step`` calls it. The
-  cell lists each distinct change of a layer's cache class;
-- the bytes per token of one MLA layer come from the package's own
-  quantized cache, filled with a latent and a RoPE key at the real
-  checkpoints' widths.
+"""The README's model table (``python -m mlx_lm_mla.testing.model_table``): what
+``kv_bits`` does to each installed MLA model, found by running its tiny model
+through ``maybe_quantize_kv_cache``; ``tests/test_readme.py`` checks they agree.
 """
 
 import sys
 
 import mlx.core as mx
 
-BEGIN = "<!-- model-table: python -m mlx_lm_mla.testing.model_table (mlx-lm {version}) -->"
+BEGIN = (
+    "<!-- model-table: python -m mlx_lm_mla.testing.model_table (mlx-lm {version}) -->"
+)
 END = "<!-- /model-table -->"
 
-# The real checkpoints' latent: DeepSeek-V3, GLM-4.7-Flash, Kimi K2, GLM-5
-# and the others cache kv_lora_rank 512 and qk_rope_head_dim 64, in bfloat16.
+# The real checkpoints' latent widths, in bfloat16.
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 GROUP_SIZE = 64
-# Positions to fill: a multiple of the 256 a stock cache grows by, so the
-# bytes held are exactly the bytes of the tokens.
+# A multiple of the 256 a stock cache grows by: its bytes are the tokens'.
 POSITIONS = 4096
 
 # The tiny models' latent is 64 wide (tiny._MLA_DIMS): groups of 32 divide it.
@@ -49,8 +34,7 @@ def describe(cache) -> str:
 
 
 def transitions(model_type: str) -> list[tuple[str, str]]:
-    """The distinct (before, after) cache classes of a layer when the tiny
-    ``model_type`` model's cache is quantized, in the order of the layers."""
+    """The distinct (before, after) cache classes of the tiny model's layers."""
     from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -82,8 +66,7 @@ def cell(pairs) -> str:
 
 
 def bytes_per_token(bits=None) -> float:
-    """Bytes per token of one MLA layer at the real widths, unquantized
-    (``bits`` None) or with the latent quantized by the package's cache."""
+    """Bytes per token of one MLA layer at the real widths, at ``bits`` or exact."""
     import mlx_lm_mla
     from mlx_lm.models.cache import KVCache
 
@@ -102,7 +85,6 @@ def _number(x: float) -> str:
 
 
 def table() -> str:
-    """The whole text, markers included."""
     import mlx_lm
 
     import mlx_lm_mla
@@ -126,7 +108,9 @@ def table() -> str:
         "|---|---|---|",
     ]
     for model_type, module in sorted(mla.installed_model_types().items()):
-        lines.append(f"| `{model_type}` | `{module}` | {cell(transitions(model_type))} |")
+        lines.append(
+            f"| `{model_type}` | `{module}` | {cell(transitions(model_type))} |"
+        )
     lines += ["", END]
     return "\n".join(lines)
 
