@@ -22,6 +22,7 @@ class build_py_with_pth(build_py):
     def get_outputs(self, include_bytecode=True):
         return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH)]
 
+
 here = Path(__file__).parent
 version = {}
 exec((here / "mlx_lm_mla" / "_version.py").read_text(), version)
@@ -40,7 +41,12 @@ setup(
     packages=find_packages(include=["mlx_lm_mla", "mlx_lm_mla.*"]),
     python_requires=">=3.10",
     # packaging reads versions (patches, lmstudio), safetensors checks cache files (patches/files.py)
-    install_requires=[MLX_LM.format(extra=""), "tokenizers", "packaging", "safetensors"],
+    install_requires=[
+        MLX_LM.format(extra=""),
+        "tokenizers",
+        "packaging",
+        "safetensors",
+    ],
     extras_require={
         "cpu": [MLX_LM.format(extra="[cpu]")],
         "cuda12": [MLX_LM.format(extra="[cuda12]")],

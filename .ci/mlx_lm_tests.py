@@ -66,9 +66,20 @@ def outcomes(name, tests, work, files, tree=None, active=False):
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-         f"--junitxml={report}", *files],
-        cwd=tests, env=env, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--continue-on-collection-errors",
+            f"--junitxml={report}",
+            *files,
+        ],
+        cwd=tests,
+        env=env,
+        timeout=1800,
     )
     result = {}
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -94,7 +105,19 @@ def main():
     version = mlx_lm.__version__
     work = Path(tempfile.mkdtemp(prefix="mlx-lm-tests-"))
     spec = f"mlx-lm=={version}"
-    run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", spec, "-d", work / "sdist")
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        spec,
+        "-d",
+        work / "sdist",
+    )
     with tarfile.open(next((work / "sdist").glob("*.tar.gz"))) as t:
         t.extractall(work / "src")
     source = next((work / "src").glob("*/mlx_lm")).parent
@@ -107,17 +130,29 @@ def main():
     trees = {}  # the upstream form's trees: way -> the sdist with the first n patches
     if form:
         for n in range(1, len(apply.SERIES) + 1):
-            way = "upstream form, patch 1" if n == 1 else f"upstream form, patches 1-{n}"
+            way = (
+                "upstream form, patch 1" if n == 1 else f"upstream form, patches 1-{n}"
+            )
             trees[way] = work / f"patched-{n}"
             shutil.copytree(source, trees[way])
-            run(sys.executable, ROOT / "upstream" / "apply.py", trees[way], "--patches", n)
+            run(
+                sys.executable,
+                ROOT / "upstream" / "apply.py",
+                trees[way],
+                "--patches",
+                n,
+            )
         for patch in apply.SERIES:
-            print(f"{patch.name}: added lines {apply.added_lines(patch)}, budget {apply.BUDGET[patch.name]}")
+            print(
+                f"{patch.name}: added lines {apply.added_lines(patch)}, budget {apply.BUDGET[patch.name]}"
+            )
             if apply.over_budget(patch):
                 print(f"{patch.name} is over its budget: {apply.over_budget(patch)}")
                 status = 1
     else:
-        print(f"mlx-lm {version}: the upstream form is written for mlx-lm {apply.TARGET}; not tested here")
+        print(
+            f"mlx-lm {version}: the upstream form is written for mlx-lm {apply.TARGET}; not tested here"
+        )
 
     whole = sorted(p.name for p in tests.glob("test_*.py")) if form else TESTS
     release = outcomes("release", tests, work, whole)
@@ -125,30 +160,55 @@ def main():
     for way, tree in trees.items():
         # Run apart from the tree, as the release's are, so test ids match.
         shutil.copytree(tree / "tests", work / f"{tree.name}-tests")
-        ways[way] = (outcomes(tree.name, work / f"{tree.name}-tests", work, whole, tree), whole)
+        ways[way] = (
+            outcomes(tree.name, work / f"{tree.name}-tests", work, whole, tree),
+            whole,
+        )
     listed = changed_on_purpose()
-    counts = {k: sum(1 for o in release.values() if o == k) for k in ("pass", "fail", "skip")}
+    counts = {
+        k: sum(1 for o in release.values() if o == k) for k in ("pass", "fail", "skip")
+    }
     print(f"mlx-lm {version}, {len(whole)} test files: on the release {counts}")
     for way, (got, files) in ways.items():
         reference = in_files(release, files)
-        lost = sorted(short(t) for t, o in reference.items() if o == "pass" and got.get(t) != "pass")
+        lost = sorted(
+            short(t)
+            for t, o in reference.items()
+            if o == "pass" and got.get(t) != "pass"
+        )
         allowed = listed if way == "active" else set()
         new = {t: o for t, o in got.items() if t not in release}
-        print(f"{way}: {sum(1 for o in got.values() if o == 'pass')} passed of {len(got)}, {len(new)} added")
+        print(
+            f"{way}: {sum(1 for o in got.values() if o == 'pass')} passed of {len(got)}, {len(new)} added"
+        )
         if new:
             print(*sorted(f"  + {short(t)}: {o}" for t, o in new.items()), sep="\n")
         if set(lost) - allowed:
-            print(f"passing on the release, not {way}:", *sorted(set(lost) - allowed), sep="\n  ")
+            print(
+                f"passing on the release, not {way}:",
+                *sorted(set(lost) - allowed),
+                sep="\n  ",
+            )
             status = 1
         if way in trees and (not new or any(o != "pass" for o in new.values())):
-            print(f"{way}: its own tests do not all pass:", *sorted(f"{t} {o}" for t, o in new.items()), sep="\n  ")
+            print(
+                f"{way}: its own tests do not all pass:",
+                *sorted(f"{t} {o}" for t, o in new.items()),
+                sep="\n  ",
+            )
             status = 1
-        stale = sorted(t for t in allowed if t not in lost and any(short(r) == t for r in reference))
+        stale = sorted(
+            t
+            for t in allowed
+            if t not in lost and any(short(r) == t for r in reference)
+        )
         if stale:
             print("listed in the README as changed, but they pass:", *stale, sep="\n  ")
             status = 1
         if way == "active" and set(lost) & allowed:
-            print("changed on purpose (README):", *sorted(set(lost) & allowed), sep="\n  ")
+            print(
+                "changed on purpose (README):", *sorted(set(lost) & allowed), sep="\n  "
+            )
     return status
 
 

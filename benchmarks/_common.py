@@ -21,10 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-for _name in [m for m in sys.modules if m == "mlx_lm_mla" or m.startswith("mlx_lm_mla.")]:
+for _name in [
+    m for m in sys.modules if m == "mlx_lm_mla" or m.startswith("mlx_lm_mla.")
+]:
     if not str(getattr(sys.modules[_name], "__file__", "")).startswith(str(ROOT)):
         del sys.modules[_name]
-sys.meta_path[:] = [f for f in sys.meta_path if type(f).__module__ != "mlx_lm_mla.importhook"]
+sys.meta_path[:] = [
+    f for f in sys.meta_path if type(f).__module__ != "mlx_lm_mla.importhook"
+]
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -151,7 +155,9 @@ def write_json(path, name, args, payload, started):
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": name,
-        "command": " ".join(["python", f"benchmarks/{name}.py", *map(shlex.quote, sys.argv[1:])]),
+        "command": " ".join(
+            ["python", f"benchmarks/{name}.py", *map(shlex.quote, sys.argv[1:])]
+        ),
         "versions": versions(),
         "git": git_state(),
         "args": vars(args),

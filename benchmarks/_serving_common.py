@@ -53,7 +53,12 @@ class Timeout(RequestFailed):
 
 
 def _body(messages, max_tokens, stream, extra):
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     body.update(extra)
@@ -71,15 +76,25 @@ def chat(port, messages, max_tokens, stream=False, timeout=120.0, **extra):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request(
-            "POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"}
+            "POST",
+            "/v1/chat/completions",
+            body=data,
+            headers={"Content-Type": "application/json"},
         )
         resp = conn.getresponse()
         if resp.status != 200:
-            raise RequestFailed(f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:300]}")
+            raise RequestFailed(
+                f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:300]}"
+            )
         if not stream:
             raw = resp.read().decode()
             text, usage = serving._parse(raw, False)
-            return {"text": text, "usage": usage, "latency": time.perf_counter() - start, "ttft": None}
+            return {
+                "text": text,
+                "usage": usage,
+                "latency": time.perf_counter() - start,
+                "ttft": None,
+            }
         ttft, lines = None, []
         while True:
             if time.perf_counter() > deadline:
@@ -94,10 +109,18 @@ def chat(port, messages, max_tokens, stream=False, timeout=120.0, **extra):
                     chunk = json.loads(line[6:])
                 except ValueError:
                     continue
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                if any(
+                    (c.get("delta") or {}).get("content")
+                    for c in chunk.get("choices", [])
+                ):
                     ttft = time.perf_counter() - start
         text, usage = serving._parse("\n".join(lines), True)
-        return {"text": text, "usage": usage, "latency": time.perf_counter() - start, "ttft": ttft}
+        return {
+            "text": text,
+            "usage": usage,
+            "latency": time.perf_counter() - start,
+            "ttft": ttft,
+        }
     except RequestFailed:
         raise
     except (socket.timeout, TimeoutError):
@@ -173,8 +196,14 @@ def versions():
     try:
         import subprocess
 
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip() or None
+        head = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         head = None
     return {
@@ -183,7 +212,8 @@ def versions():
         "mlx_lm_mla": mlx_lm_mla.__version__,
         "mlx_lm_mla_path": str(installed),
         "mlx_lm_mla_digest": _tree_digest(installed)[:12],
-        "mlx_lm_mla_matches_worktree": _tree_digest(installed) == _tree_digest(ROOT / "mlx_lm_mla"),
+        "mlx_lm_mla_matches_worktree": _tree_digest(installed)
+        == _tree_digest(ROOT / "mlx_lm_mla"),
         "worktree_head": head,
         "python": platform.python_version(),
         "executable": sys.executable,
@@ -207,11 +237,16 @@ def write_json(path, name, args, payload, started, vers):
 
     digest_end = _tree_digest(Path(mlx_lm_mla.__file__).parent)[:12]
     if digest_end != vers.get("mlx_lm_mla_digest"):
-        print("WARNING: the installed mlx_lm_mla changed during the run; servers started "
-              "before the change ran the old code", file=sys.stderr)
+        print(
+            "WARNING: the installed mlx_lm_mla changed during the run; servers started "
+            "before the change ran the old code",
+            file=sys.stderr,
+        )
     doc = {
         "benchmark": name,
-        "command": " ".join(["python", f"benchmarks/{name}.py", *map(shlex.quote, sys.argv[1:])]),
+        "command": " ".join(
+            ["python", f"benchmarks/{name}.py", *map(shlex.quote, sys.argv[1:])]
+        ),
         "versions": vers,
         "args": vars(args),
         "seconds": round(time.perf_counter() - started, 1),
@@ -246,7 +281,10 @@ def table(rows, columns, file=None):
     out = file or sys.stdout
     for n, line in enumerate(cells):
         print(
-            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))),
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(line, widths))
+            ),
             file=out,
         )
         if n == 0:

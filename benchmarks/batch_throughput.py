@@ -60,12 +60,22 @@ def run_clients(server, n_clients, per_client, max_tokens, first_q, args):
             t = time.perf_counter()
             rec = {"client": k, "request": j, "start": t}
             try:
-                r = sc.chat(server.port, sc.messages(sc.serving.SYSTEM, q), max_tokens, stream=True,
-                            timeout=args.timeout, **extra)
-                rec.update(ok=True, first=t + (r["ttft"] or r["latency"]), end=t + r["latency"],
-                           completion_tokens=r["usage"].get("completion_tokens", 0),
-                           cached_tokens=sc.cached_tokens(r["usage"]),
-                           prompt_tokens=r["usage"].get("prompt_tokens", 0))
+                r = sc.chat(
+                    server.port,
+                    sc.messages(sc.serving.SYSTEM, q),
+                    max_tokens,
+                    stream=True,
+                    timeout=args.timeout,
+                    **extra,
+                )
+                rec.update(
+                    ok=True,
+                    first=t + (r["ttft"] or r["latency"]),
+                    end=t + r["latency"],
+                    completion_tokens=r["usage"].get("completion_tokens", 0),
+                    cached_tokens=sc.cached_tokens(r["usage"]),
+                    prompt_tokens=r["usage"].get("prompt_tokens", 0),
+                )
             except sc.RequestFailed as e:
                 rec.update(ok=False, end=time.perf_counter(), error=str(e))
             with lock:
@@ -110,11 +120,17 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kv-bits", type=int, default=4)
     p.add_argument("--quantized-kv-start", type=int, default=64)
-    p.add_argument("--variants", nargs="+", default=["ours", "ours-kv", "stock"],
-                   choices=["ours", "ours-kv", "stock"])
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["ours", "ours-kv", "stock"],
+        choices=["ours", "ours-kv", "stock"],
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     p.add_argument("--allow-eos", action="store_true")
-    p.add_argument("--json", default=None, help=f"default benchmarks/results/{NAME}.json")
+    p.add_argument(
+        "--json", default=None, help=f"default benchmarks/results/{NAME}.json"
+    )
     args = p.parse_args()
 
     started = time.perf_counter()
@@ -122,8 +138,11 @@ def main():
     sc.warn_if_stale(vers)
     kv = ["--kv-bits", args.kv_bits, "--quantized-kv-start", args.quantized_kv_start]
     label = {"ours": "ours", "ours-kv": f"ours kv{args.kv_bits}", "stock": "stock"}
-    print(f"{args.requests_per_client} requests per client, max_tokens {args.max_tokens}, "
-          f"{args.rounds} rounds; KV quantization: {' '.join(map(str, kv))}", flush=True)
+    print(
+        f"{args.requests_per_client} requests per client, max_tokens {args.max_tokens}, "
+        f"{args.rounds} rounds; KV quantization: {' '.join(map(str, kv))}",
+        flush=True,
+    )
 
     runs = {}  # (variant, c) -> list of round results
     errors = []
@@ -137,37 +156,75 @@ def main():
                 servers = {}
                 try:
                     for v in args.variants:
-                        flags = ["--decode-concurrency", c] + (kv if v == "ours-kv" else [])
-                        servers[v] = sc.Server(model_path, *flags, disabled=v == "stock",
-                                               log=sc.log_path(args.json, NAME, f"{v}-c{c}"))
+                        flags = ["--decode-concurrency", c] + (
+                            kv if v == "ours-kv" else []
+                        )
+                        servers[v] = sc.Server(
+                            model_path,
+                            *flags,
+                            disabled=v == "stock",
+                            log=sc.log_path(args.json, NAME, f"{v}-c{c}"),
+                        )
                     for v in args.variants:  # warm-up, unmeasured
                         try:
-                            sc.chat(servers[v].port, sc.messages(sc.serving.SYSTEM, "Warm up."),
-                                    16, timeout=args.timeout)
+                            sc.chat(
+                                servers[v].port,
+                                sc.messages(sc.serving.SYSTEM, "Warm up."),
+                                16,
+                                timeout=args.timeout,
+                            )
                         except sc.RequestFailed as e:
-                            errors.append({"variant": v, "concurrency": c, "warmup": True, "error": str(e)})
+                            errors.append(
+                                {
+                                    "variant": v,
+                                    "concurrency": c,
+                                    "warmup": True,
+                                    "error": str(e),
+                                }
+                            )
                         progress.update(f"c={c} warm-up {v}")
                     for rnd in range(args.rounds):
                         k = rnd % len(args.variants)
                         for v in args.variants[k:] + args.variants[:k]:
-                            recs, wall = run_clients(servers[v], c, args.requests_per_client,
-                                                     args.max_tokens, q, args)
+                            recs, wall = run_clients(
+                                servers[v],
+                                c,
+                                args.requests_per_client,
+                                args.max_tokens,
+                                q,
+                                args,
+                            )
                             q += c * args.requests_per_client
                             ok = [r for r in recs if r["ok"]]
                             tokens = sum(r["completion_tokens"] for r in ok)
                             peak, busy = overlap(recs)
-                            runs.setdefault((v, c), []).append({
-                                "round": rnd, "wall": wall, "tokens": tokens,
-                                "tokens_per_second": tokens / wall if wall else None,
-                                "served": len(ok), "errors": len(recs) - len(ok),
-                                "overlap_peak": peak, "overlap_mean": busy / wall if wall else None,
-                                "records": sorted(recs, key=lambda r: r["start"]),
-                            })
+                            runs.setdefault((v, c), []).append(
+                                {
+                                    "round": rnd,
+                                    "wall": wall,
+                                    "tokens": tokens,
+                                    "tokens_per_second": tokens / wall
+                                    if wall
+                                    else None,
+                                    "served": len(ok),
+                                    "errors": len(recs) - len(ok),
+                                    "overlap_peak": peak,
+                                    "overlap_mean": busy / wall if wall else None,
+                                    "records": sorted(recs, key=lambda r: r["start"]),
+                                }
+                            )
                             for r in recs:
                                 if not r["ok"]:
-                                    errors.append({"variant": v, "concurrency": c, "round": rnd,
-                                                   "client": r["client"], "request": r["request"],
-                                                   "error": r["error"]})
+                                    errors.append(
+                                        {
+                                            "variant": v,
+                                            "concurrency": c,
+                                            "round": rnd,
+                                            "client": r["client"],
+                                            "request": r["request"],
+                                            "error": r["error"],
+                                        }
+                                    )
                             progress.update(f"c={c} {v} {tokens / wall:.0f} tok/s")
                 finally:
                     for s in servers.values():
@@ -182,38 +239,69 @@ def main():
             rs = runs.get((v, c), [])
             tps = sc.median([r["tokens_per_second"] for r in rs if r["served"]])
             med[(v, c)] = tps
-            summary.append({
-                "variant": v, "concurrency": c, "tokens_per_second": tps,
-                "tokens_per_second_rounds": [r["tokens_per_second"] for r in rs],
-                "overlap_peak": max((r["overlap_peak"] for r in rs), default=None),
-                "overlap_mean": sc.median([r["overlap_mean"] for r in rs]),
-                "served": sum(r["served"] for r in rs), "errors": sum(r["errors"] for r in rs),
-                "batched": (max((r["overlap_peak"] for r in rs), default=0) > 1) if rs else None,
-            })
+            summary.append(
+                {
+                    "variant": v,
+                    "concurrency": c,
+                    "tokens_per_second": tps,
+                    "tokens_per_second_rounds": [r["tokens_per_second"] for r in rs],
+                    "overlap_peak": max((r["overlap_peak"] for r in rs), default=None),
+                    "overlap_mean": sc.median([r["overlap_mean"] for r in rs]),
+                    "served": sum(r["served"] for r in rs),
+                    "errors": sum(r["errors"] for r in rs),
+                    "batched": (max((r["overlap_peak"] for r in rs), default=0) > 1)
+                    if rs
+                    else None,
+                }
+            )
     for e in summary:
         v, c = e["variant"], e["concurrency"]
         stock = med.get(("stock", c))
-        e["ours_over_stock"] = (e["tokens_per_second"] / stock) if v == "ours" and stock and e["tokens_per_second"] else None
+        e["ours_over_stock"] = (
+            (e["tokens_per_second"] / stock)
+            if v == "ours" and stock and e["tokens_per_second"]
+            else None
+        )
         f = lambda x, s: "-" if x is None else format(x, s)  # noqa: E731
-        rows.append([
-            str(c), label[v], f(e["tokens_per_second"], ".0f"),
-            " ".join(f(x, ".0f") for x in e["tokens_per_second_rounds"]),
-            f"{e['overlap_peak']} / {f(e['overlap_mean'], '.2f')}",
-            "yes" if e["batched"] else "no (one at a time)" if c > 1 else "-",
-            f"{e['served']} / {e['errors']}",
-            f(e["ours_over_stock"], ".2f"),
-        ])
+        rows.append(
+            [
+                str(c),
+                label[v],
+                f(e["tokens_per_second"], ".0f"),
+                " ".join(f(x, ".0f") for x in e["tokens_per_second_rounds"]),
+                f"{e['overlap_peak']} / {f(e['overlap_mean'], '.2f')}",
+                "yes" if e["batched"] else "no (one at a time)" if c > 1 else "-",
+                f"{e['served']} / {e['errors']}",
+                f(e["ours_over_stock"], ".2f"),
+            ]
+        )
     print()
-    sc.table(rows, ["concurrency", "variant", "tok/s", "rounds", "overlap peak/mean",
-                    "batched", "served/errors", "ours/stock"])
+    sc.table(
+        rows,
+        [
+            "concurrency",
+            "variant",
+            "tok/s",
+            "rounds",
+            "overlap peak/mean",
+            "batched",
+            "served/errors",
+            "ours/stock",
+        ],
+    )
     for e in errors[:10]:
         print(f"error: {e}")
     path = sc.write_json(
-        args.json, NAME, args,
-        {"summary": summary,
-         "runs": {f"{v}/c{c}": rs for (v, c), rs in runs.items()},
-         "errors": errors},
-        started, vers,
+        args.json,
+        NAME,
+        args,
+        {
+            "summary": summary,
+            "runs": {f"{v}/c{c}": rs for (v, c), rs in runs.items()},
+            "errors": errors,
+        },
+        started,
+        vers,
     )
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
 

@@ -38,7 +38,16 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import DEEPSEEK_V3, DEEPSEEK_V3_2, GLM_4_7_FLASH, GLM_5, active_memory, cache_arrays, table, write_json
+from _common import (
+    DEEPSEEK_V3,
+    DEEPSEEK_V3_2,
+    GLM_4_7_FLASH,
+    GLM_5,
+    active_memory,
+    cache_arrays,
+    table,
+    write_json,
+)
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -63,7 +72,11 @@ def floor_bytes(shape, dtype_bytes, bits=None, group_size=64):
 def expanded_bytes(shape, dtype_bytes):
     """Per token per layer of standard attention's per-head K and V."""
     h = shape["heads"]
-    return h * (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"] + shape["v_head_dim"]) * dtype_bytes
+    return (
+        h
+        * (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"] + shape["v_head_dim"])
+        * dtype_bytes
+    )
 
 
 def _eval_cache(cache):
@@ -135,22 +148,38 @@ def single_rows(shape, n, args, dtype):
     for bits in (None, 8, 4):
         floor = floor_bytes(shape, dbytes, bits, args.group_size)
         _, nb, held = measure(
-            lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+            lambda: fill(
+                KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size
+            )
         )
-        name = f"QuantizedLatentCache {bits}-bit" if bits else f"KVCache {args.dtype} (stock)"
-        note = "keys=packed latent, values=rope+scales+biases" if bits else "keys=latent, values=rope"
+        name = (
+            f"QuantizedLatentCache {bits}-bit"
+            if bits
+            else f"KVCache {args.dtype} (stock)"
+        )
+        note = (
+            "keys=packed latent, values=rope+scales+biases"
+            if bits
+            else "keys=latent, values=rope"
+        )
         rows.append(row(name, nb, held, floor, note=note))
 
     floor = floor_bytes(shape, dbytes)
     per_tok = expanded_bytes(shape, dbytes)
     if per_tok * n <= args.max_alloc_mb * 2**20:
-        widths = (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"], shape["v_head_dim"], shape["heads"])
+        widths = (
+            shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
+            shape["v_head_dim"],
+            shape["heads"],
+        )
         _, nb, held = measure(lambda: fill(KVCache(), widths, 1, n, args.tail, dtype))
         note = "allocated"
     else:
         cap = -(-n // STEP) * STEP
         nb, held, note = per_tok * cap, None, "computed (too big to allocate)"
-    rows.append(row("stock KVCache, expanded K/V", nb, held, floor, target=False, note=note))
+    rows.append(
+        row("stock KVCache, expanded K/V", nb, held, floor, target=False, note=note)
+    )
     return rows
 
 
@@ -160,7 +189,11 @@ def batch_rows(shape, lengths, args, dtype):
     layers = shape["layers"]
     real = sum(lengths)
     rows = []
-    variants = [(f"BatchKVCache {args.dtype} (stock)", None), ("BatchQuantizedLatentCache 8-bit", 8), ("BatchQuantizedLatentCache 4-bit", 4)]
+    variants = [
+        (f"BatchKVCache {args.dtype} (stock)", None),
+        ("BatchQuantizedLatentCache 8-bit", 8),
+        ("BatchQuantizedLatentCache 4-bit", 4),
+    ]
     for name, qbits in variants:
         floor = floor_bytes(shape, dbytes, qbits, args.group_size)
 
@@ -185,7 +218,14 @@ def batch_rows(shape, lengths, args, dtype):
             v = mx.random.normal((len(lengths), 1, 1, rope)).astype(dtype)
             mx.eval(batch.update_and_fetch(k, v))
         _eval_cache(batch)
-        stages.append((f"+{args.tail} decode steps", real + args.tail * len(lengths), batch.nbytes, None))
+        stages.append(
+            (
+                f"+{args.tail} decode steps",
+                real + args.tail * len(lengths),
+                batch.nbytes,
+                None,
+            )
+        )
         for stage, tokens, nbytes, held_b in stages:
             rows.append(
                 dict(
@@ -222,14 +262,24 @@ def window_rows(shape, window, n, args, dtype):
     for bits in (None, 8, 4):
         floor = floor_bytes(shape, dbytes, bits, args.group_size)
         cache, nb, held = measure(
-            lambda: fill(RotatingKVCache(max_size=window, keep=4), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+            lambda: fill(
+                RotatingKVCache(max_size=window, keep=4),
+                (lat, rope, 1),
+                1,
+                n,
+                args.tail,
+                dtype,
+                bits,
+                args.group_size,
+            )
         )
         rows.append(
             dict(
                 model=shape["name"],
                 tokens=n,
                 window=window,
-                cache=type(cache).__name__ + (f" {bits}-bit" if bits else f" {args.dtype} (stock)"),
+                cache=type(cache).__name__
+                + (f" {bits}-bit" if bits else f" {args.dtype} (stock)"),
                 positions=cache.keys.shape[2],
                 bytes_whole_model=nb * shape["layers"],
                 window_floor=floor * window * shape["layers"],
@@ -245,14 +295,22 @@ def dsa_rows(shape, n, args, dtype):
     indexer's key cache, which stays at the model's dtype. mlx-lm's indexer
     also stores a zero array as wide as its keys in the values slot."""
     dbytes = mx.zeros((1,), dtype).itemsize
-    lat, rope, index = shape["kv_lora_rank"], shape["qk_rope_head_dim"], shape["index_head_dim"]
+    lat, rope, index = (
+        shape["kv_lora_rank"],
+        shape["qk_rope_head_dim"],
+        shape["index_head_dim"],
+    )
     layers = shape["layers"]
-    _, indexer, _ = measure(lambda: fill(KVCache(), (index, index, 1), 1, n, args.tail, dtype))
+    _, indexer, _ = measure(
+        lambda: fill(KVCache(), (index, index, 1), 1, n, args.tail, dtype)
+    )
     exact = None
     rows = []
     for bits in (None, 8, 4):
         _, latent, _ = measure(
-            lambda: fill(KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size)
+            lambda: fill(
+                KVCache(), (lat, rope, 1), 1, n, args.tail, dtype, bits, args.group_size
+            )
         )
         total = (latent + indexer) / n * layers
         exact = exact or total
@@ -263,7 +321,8 @@ def dsa_rows(shape, n, args, dtype):
                 latent=f"{bits}-bit" if bits else f"{args.dtype} (stock)",
                 latent_per_token=latent / n * layers,
                 latent_floor=floor_bytes(shape, dbytes, bits, args.group_size) * layers,
-                latent_ratio=latent / (floor_bytes(shape, dbytes, bits, args.group_size) * n),
+                latent_ratio=latent
+                / (floor_bytes(shape, dbytes, bits, args.group_size) * n),
                 indexer_per_token=indexer / n * layers,
                 total_per_token=total,
                 of_unquantized=total / exact,
@@ -283,7 +342,11 @@ def per_rank_rows(single, shapes, ranks_list):
     caches at the largest N (stock's expanded K/V left out)."""
     rows = []
     for shape in shapes:
-        mine = [r for r in single if r["model"] == shape["name"] and "expanded" not in r["cache"]]
+        mine = [
+            r
+            for r in single
+            if r["model"] == shape["name"] and "expanded" not in r["cache"]
+        ]
         n = max(r["tokens"] for r in mine)
         for r in (r for r in mine if r["tokens"] == n):
             per_layer = r["bytes_per_token"] / shape["layers"]
@@ -300,7 +363,9 @@ def per_rank_rows(single, shapes, ranks_list):
                             parallel=parallel,
                             ranks=ranks,
                             tokens=n,
-                            layers_per_rank=" / ".join(str(k) for k in sorted(set(layers), reverse=True)),
+                            layers_per_rank=" / ".join(
+                                str(k) for k in sorted(set(layers), reverse=True)
+                            ),
                             largest_rank=max(held),
                             smallest_rank=min(held),
                             all_ranks=sum(held),
@@ -313,15 +378,47 @@ def per_rank_rows(single, shapes, ranks_list):
 def main():
     started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1000, 4096], help="sequence lengths N (default: 1000 4096)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1000, 700, 300, 50], help="lengths of the merged batch rows")
-    p.add_argument("--window", type=int, default=1024, help="rolling window size W (default: 1024)")
-    p.add_argument("--tail", type=int, default=16, help="single-token decode steps after the prefill (default: 16)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1000, 4096],
+        help="sequence lengths N (default: 1000 4096)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[1000, 700, 300, 50],
+        help="lengths of the merged batch rows",
+    )
+    p.add_argument(
+        "--window", type=int, default=1024, help="rolling window size W (default: 1024)"
+    )
+    p.add_argument(
+        "--tail",
+        type=int,
+        default=16,
+        help="single-token decode steps after the prefill (default: 16)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--max-alloc-mb", type=float, default=1024, help="compute stock expanded K/V arithmetically above this size")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="ranks for the per-rank table (default: 2 4)")
-    p.add_argument("--json", default=None, help="default: benchmarks/results/bytes_per_token.json")
+    p.add_argument(
+        "--max-alloc-mb",
+        type=float,
+        default=1024,
+        help="compute stock expanded K/V arithmetically above this size",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="ranks for the per-rank table (default: 2 4)",
+    )
+    p.add_argument(
+        "--json", default=None, help="default: benchmarks/results/bytes_per_token.json"
+    )
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
     mx.random.seed(0)
@@ -344,8 +441,12 @@ def main():
         print(f"{shape['name']}, N={max(args.tokens)} ...", file=sys.stderr, flush=True)
         dsa += dsa_rows(shape, max(args.tokens), args, dtype)
 
-    print(f"\nBytes per token, whole model ({args.dtype}; prefill N-{args.tail} in chunks of {PREFILL_STEP}, then {args.tail} decode steps)")
-    print("ratio = nbytes / floor; held = growth of MLX active memory / floor; allowed = 1% + one 256-token step\n")
+    print(
+        f"\nBytes per token, whole model ({args.dtype}; prefill N-{args.tail} in chunks of {PREFILL_STEP}, then {args.tail} decode steps)"
+    )
+    print(
+        "ratio = nbytes / floor; held = growth of MLX active memory / floor; allowed = 1% + one 256-token step\n"
+    )
     table(
         single,
         [
@@ -361,7 +462,9 @@ def main():
             ("note", "note", None),
         ],
     )
-    print(f"\nBatch of {len(args.batch)} rows merged (lengths {args.batch}), bytes per real token (whole model)\n")
+    print(
+        f"\nBatch of {len(args.batch)} rows merged (lengths {args.batch}), bytes per real token (whole model)\n"
+    )
     table(
         batch,
         [
@@ -377,7 +480,9 @@ def main():
             ("padding_share", "padding", "{:.1%}"),
         ],
     )
-    print(f"\nRolling window of {args.window} tokens (make_prompt_cache(model, max_kv_size)), whole model\n")
+    print(
+        f"\nRolling window of {args.window} tokens (make_prompt_cache(model, max_kv_size)), whole model\n"
+    )
     table(
         windows,
         [
@@ -431,7 +536,13 @@ def main():
         args.json,
         "bytes_per_token",
         args,
-        {"single": single, "batch": batch, "window": windows, "dsa": dsa, "per_rank": per_rank},
+        {
+            "single": single,
+            "batch": batch,
+            "window": windows,
+            "dsa": dsa,
+            "per_rank": per_rank,
+        },
         started,
     )
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")

@@ -111,12 +111,21 @@ class Data:
             self.stock.append(s)
         self.batch = BatchKVCache.merge(self.ours)
         self.stock_batch = BatchKVCache.merge(self.stock)
-        self.half = (BatchKVCache.merge(self.ours[:2]), BatchKVCache.merge(self.ours[2:]))
-        self.stock_half = (BatchKVCache.merge(self.stock[:2]), BatchKVCache.merge(self.stock[2:]))
+        self.half = (
+            BatchKVCache.merge(self.ours[:2]),
+            BatchKVCache.merge(self.ours[2:]),
+        )
+        self.stock_half = (
+            BatchKVCache.merge(self.stock[:2]),
+            BatchKVCache.merge(self.stock[2:]),
+        )
         # The batch's latent as one plain array, for mx.quantize alone.
         self.batch_latent = mx.array(self.batch.keys) if not bits else None
         mx.eval(
-            [arrays_of(c) for c in (self.batch, self.stock_batch, *self.half, *self.stock_half)],
+            [
+                arrays_of(c)
+                for c in (self.batch, self.stock_batch, *self.half, *self.stock_half)
+            ],
             self.batch_latent if self.batch_latent is not None else [],
         )
 
@@ -128,7 +137,10 @@ def ops(data, args, tmp, bits):
     rows = len(data.lengths)
     real = sum(data.lengths)
     first = data.lengths[0]
-    paths = {k: os.path.join(tmp, f"{k}.safetensors") for k in ("ours1", "oursB", "stock1", "stockB")}
+    paths = {
+        k: os.path.join(tmp, f"{k}.safetensors")
+        for k in ("ours1", "oursB", "stock1", "stockB")
+    }
     mlx_cache.save_prompt_cache(paths["ours1"], [data.ours[0]])
     mlx_cache.save_prompt_cache(paths["oursB"], [data.batch])
     mlx_cache.save_prompt_cache(paths["stock1"], [data.stock[0]])
@@ -141,6 +153,7 @@ def ops(data, args, tmp, bits):
         def f(caches):
             b = cls.merge(caches)
             return out(b)
+
         return f
 
     def extract(b):
@@ -167,6 +180,7 @@ def ops(data, args, tmp, bits):
             path = os.path.join(tmp, f"save-{key}.safetensors")
             mlx_cache.save_prompt_cache(path, [c])
             return [], os.path.getsize(path)
+
         return f
 
     def load(key):
@@ -174,6 +188,7 @@ def ops(data, args, tmp, bits):
             cache = mlx_cache.load_prompt_cache(paths[key])
             mx.eval([arrays_of(c) for c in cache])
             return [], os.path.getsize(paths[key])
+
         return f
 
     def quantize(c):
@@ -185,7 +200,9 @@ def ops(data, args, tmp, bits):
 
     stock = not bits
 
-    def entry(name, tokens, setup, op, s_setup=None, s_op=None, k_setup=None, k_op=None):
+    def entry(
+        name, tokens, setup, op, s_setup=None, s_op=None, k_setup=None, k_op=None
+    ):
         return dict(
             name=name,
             tokens=tokens,
@@ -197,9 +214,30 @@ def ops(data, args, tmp, bits):
     single_latent = lambda: data.latents[0][0]  # noqa: E731
     batch_latent = lambda: data.batch_latent  # noqa: E731
     entries = [
-        entry("merge", real, lambda: data.ours, merge(BatchKVCache), lambda: data.stock, merge(BatchKVCache)),
-        entry("extract", data.lengths[1], lambda: data.batch, extract, lambda: data.stock_batch, extract),
-        entry("filter", sum(data.lengths[1:]), lambda: copy_of(data.batch), filt, lambda: copy_of(data.stock_batch), filt),
+        entry(
+            "merge",
+            real,
+            lambda: data.ours,
+            merge(BatchKVCache),
+            lambda: data.stock,
+            merge(BatchKVCache),
+        ),
+        entry(
+            "extract",
+            data.lengths[1],
+            lambda: data.batch,
+            extract,
+            lambda: data.stock_batch,
+            extract,
+        ),
+        entry(
+            "filter",
+            sum(data.lengths[1:]),
+            lambda: copy_of(data.batch),
+            filt,
+            lambda: copy_of(data.stock_batch),
+            filt,
+        ),
         entry(
             "extend",
             real,
@@ -208,12 +246,54 @@ def ops(data, args, tmp, bits):
             lambda: (copy_of(data.stock_half[0]), copy_of(data.stock_half[1])),
             extend,
         ),
-        entry("trim, single", n_trim, lambda: copy_of(data.ours[0]), trim, lambda: copy_of(data.stock[0]), trim),
-        entry("trim, batch", n_trim * rows, lambda: copy_of(data.batch), trim, lambda: copy_of(data.stock_batch), trim),
-        entry("save, single", first, lambda: data.ours[0], save("ours1"), lambda: data.stock[0], save("stock1")),
-        entry("save, batch", real, lambda: data.batch, save("oursB"), lambda: data.stock_batch, save("stockB")),
-        entry("load, single", first, lambda: None, load("ours1"), lambda: None, load("stock1")),
-        entry("load, batch", real, lambda: None, load("oursB"), lambda: None, load("stockB")),
+        entry(
+            "trim, single",
+            n_trim,
+            lambda: copy_of(data.ours[0]),
+            trim,
+            lambda: copy_of(data.stock[0]),
+            trim,
+        ),
+        entry(
+            "trim, batch",
+            n_trim * rows,
+            lambda: copy_of(data.batch),
+            trim,
+            lambda: copy_of(data.stock_batch),
+            trim,
+        ),
+        entry(
+            "save, single",
+            first,
+            lambda: data.ours[0],
+            save("ours1"),
+            lambda: data.stock[0],
+            save("stock1"),
+        ),
+        entry(
+            "save, batch",
+            real,
+            lambda: data.batch,
+            save("oursB"),
+            lambda: data.stock_batch,
+            save("stockB"),
+        ),
+        entry(
+            "load, single",
+            first,
+            lambda: None,
+            load("ours1"),
+            lambda: None,
+            load("stock1"),
+        ),
+        entry(
+            "load, batch",
+            real,
+            lambda: None,
+            load("oursB"),
+            lambda: None,
+            load("stockB"),
+        ),
     ]
     if not bits:
         entries += [
@@ -227,7 +307,14 @@ def ops(data, args, tmp, bits):
                 single_latent,
                 plain_quantize,
             ),
-            entry("to_quantized, batch", real, lambda: copy_of(data.batch), quantize, k_setup=batch_latent, k_op=plain_quantize),
+            entry(
+                "to_quantized, batch",
+                real,
+                lambda: copy_of(data.batch),
+                quantize,
+                k_setup=batch_latent,
+                k_op=plain_quantize,
+            ),
         ]
     return entries
 
@@ -341,14 +428,33 @@ def run(args, tmp, bits, label):
 def main():
     started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs=4, default=[4096, 3000, 2000, 1000], help="token counts of the 4 sequences (default: 4096 3000 2000 1000)")
-    p.add_argument("--trim", type=int, default=256, help="tokens trimmed (default: 256)")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs=4,
+        default=[4096, 3000, 2000, 1000],
+        help="token counts of the 4 sequences (default: 4096 3000 2000 1000)",
+    )
+    p.add_argument(
+        "--trim", type=int, default=256, help="tokens trimmed (default: 256)"
+    )
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    p.add_argument("--no-quantized", dest="quantized", action="store_false", help="skip the ops on 8-bit caches")
-    p.add_argument("--tmp", default=None, help="directory for the cache files (default: a new temporary directory)")
-    p.add_argument("--json", default=None, help="default: benchmarks/results/cache_ops.json")
+    p.add_argument(
+        "--no-quantized",
+        dest="quantized",
+        action="store_false",
+        help="skip the ops on 8-bit caches",
+    )
+    p.add_argument(
+        "--tmp",
+        default=None,
+        help="directory for the cache files (default: a new temporary directory)",
+    )
+    p.add_argument(
+        "--json", default=None, help="default: benchmarks/results/cache_ops.json"
+    )
     args = p.parse_args()
     mlx_lm_mla.install()  # load_prompt_cache finds the class names
     rows = []

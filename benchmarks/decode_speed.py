@@ -38,7 +38,15 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import GLM_4_7_FLASH, glm_attention_model, load_average, median, progress, table, write_json
+from _common import (
+    GLM_4_7_FLASH,
+    glm_attention_model,
+    load_average,
+    median,
+    progress,
+    table,
+    write_json,
+)
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -74,8 +82,12 @@ def filled_cache(model, context, batch, variant):
     shape, done = GLM_4_7_FLASH, 0
     while done < context:
         n = min(FILL_STEP, context - done)
-        latent = mx.random.normal((batch, 1, n, shape["kv_lora_rank"])).astype(mx.bfloat16)
-        rope = mx.random.normal((batch, 1, n, shape["qk_rope_head_dim"])).astype(mx.bfloat16)
+        latent = mx.random.normal((batch, 1, n, shape["kv_lora_rank"])).astype(
+            mx.bfloat16
+        )
+        rope = mx.random.normal((batch, 1, n, shape["qk_rope_head_dim"])).astype(
+            mx.bfloat16
+        )
         for c in cache:
             c.update_and_fetch(latent, rope)
         mx.eval([c.state for c in cache])
@@ -114,9 +126,15 @@ def run_attention(model, args, context, batch, variant):
 
     switch(variant)
     attention = model.layers[0].self_attn
-    sdpa = importlib.import_module(type(attention).__module__).scaled_dot_product_attention
+    sdpa = importlib.import_module(
+        type(attention).__module__
+    ).scaled_dot_product_attention
     shape = GLM_4_7_FLASH
-    heads, width, rope_width = shape["heads"], shape["kv_lora_rank"], shape["qk_rope_head_dim"]
+    heads, width, rope_width = (
+        shape["heads"],
+        shape["kv_lora_rank"],
+        shape["qk_rope_head_dim"],
+    )
     cache = filled_cache(model, context, batch, variant)[0]
     q = mx.random.normal((batch, heads, 1, width)).astype(mx.bfloat16)
     q_pe = mx.random.normal((batch, heads, 1, rope_width)).astype(mx.bfloat16)
@@ -148,15 +166,33 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--batches", type=int, nargs="+", default=[1])
-    p.add_argument("--variants", nargs="+", default=list(VARIANT_BITS), choices=list(VARIANT_BITS))
-    p.add_argument("--steps", type=int, default=6, help="timed decode steps per repetition")
-    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them")
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANT_BITS), choices=list(VARIANT_BITS)
+    )
+    p.add_argument(
+        "--steps", type=int, default=6, help="timed decode steps per repetition"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed decode steps before them"
+    )
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--attention-calls", type=int, default=4, help="calls timed per attention repetition")
+    p.add_argument(
+        "--attention-calls",
+        type=int,
+        default=4,
+        help="calls timed per attention repetition",
+    )
     p.add_argument("--no-attention", action="store_true", help="the decode table only")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--chunk-bytes", type=int, default=None, help="bytes per chunk (default: decode.CHUNK_BYTES)")
-    p.add_argument("--json", default=None, help="default: benchmarks/results/decode_speed.json")
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=None,
+        help="bytes per chunk (default: decode.CHUNK_BYTES)",
+    )
+    p.add_argument(
+        "--json", default=None, help="default: benchmarks/results/decode_speed.json"
+    )
     args = p.parse_args()
     if "stock" not in args.variants:
         args.variants.insert(0, "stock")
@@ -167,19 +203,32 @@ def main():
     mx.random.seed(0)
     model, config = glm_attention_model(args.layers, mx.bfloat16)
     device = str(mx.default_device())
-    print(f"model: glm4_moe_lite, {args.layers} dense layers, bfloat16, GLM-4.7-Flash attention "
-          f"widths; device {device}; load average {load_average():.2f}", file=sys.stderr)
+    print(
+        f"model: glm4_moe_lite, {args.layers} dense layers, bfloat16, GLM-4.7-Flash attention "
+        f"widths; device {device}; load average {load_average():.2f}",
+        file=sys.stderr,
+    )
     for v in args.variants:  # warm up every path
         run_decode(model, argparse.Namespace(warmup=1, steps=1), 512, 1, v)
 
-    kinds = [("decode", run_decode)] + ([] if args.no_attention else [("attention", run_attention)])
-    jobs = [(kind, fn, ctx, b, v) for kind, fn in kinds for ctx in args.contexts
-            for b in args.batches for r in range(args.reps) for v in rotated(args.variants, r)]
+    kinds = [("decode", run_decode)] + (
+        [] if args.no_attention else [("attention", run_attention)]
+    )
+    jobs = [
+        (kind, fn, ctx, b, v)
+        for kind, fn in kinds
+        for ctx in args.contexts
+        for b in args.batches
+        for r in range(args.reps)
+        for v in rotated(args.variants, r)
+    ]
     samples = {}
     bar = progress(total=len(jobs), desc="runs")
     for kind, fn, ctx, b, v in jobs:
         bar.set_postfix_str(f"{kind} {ctx} x{b} {v}")
-        samples.setdefault((kind, ctx, b), {}).setdefault(v, []).append(fn(model, args, ctx, b, v))
+        samples.setdefault((kind, ctx, b), {}).setdefault(v, []).append(
+            fn(model, args, ctx, b, v)
+        )
         bar.update()
     bar.close()
     mlx_lm_mla.uninstall()
@@ -190,9 +239,15 @@ def main():
             base = median([s[0] for s in runs["stock"]])
             for v in args.variants:
                 speed = median([s[0] for s in runs[v]])
-                row = dict(context=ctx, batch=b, variant=v, tokens_per_s=speed, ratio=speed / base,
-                           transient_mib=median([s[1] for s in runs[v]]) / 2**20,
-                           samples=[s[0] for s in runs[v]])
+                row = dict(
+                    context=ctx,
+                    batch=b,
+                    variant=v,
+                    tokens_per_s=speed,
+                    ratio=speed / base,
+                    transient_mib=median([s[1] for s in runs[v]]) / 2**20,
+                    samples=[s[0] for s in runs[v]],
+                )
                 target = TARGETS.get((ctx, b), {}).get(v)
                 if target is not None:
                     row.update(target=target, met=row["ratio"] >= target)
@@ -202,28 +257,62 @@ def main():
             for v in args.variants:
                 ms = median(runs[v])
                 floor = floor_bytes(v) * ctx * b
-                attention_rows.append(dict(context=ctx, batch=b, variant=v, ms=ms, speed=base / ms,
-                                           floor_mb=floor / 1e6, gb_per_s=floor / ms / 1e6,
-                                           samples=runs[v]))
+                attention_rows.append(
+                    dict(
+                        context=ctx,
+                        batch=b,
+                        variant=v,
+                        ms=ms,
+                        speed=base / ms,
+                        floor_mb=floor / 1e6,
+                        gb_per_s=floor / ms / 1e6,
+                        samples=runs[v],
+                    )
+                )
 
-    print(f"\ndecode: tokens/s of the whole model, median of {args.reps}, variants interleaved; "
-          f"{args.steps} steps after {args.warmup}; transient: peak memory beyond what the "
-          f"steps started with, per layer; device {device}\n")
-    table(decode_rows, [("context", "context", "{:,}"), ("batch", "batch", None),
-                        ("variant", "variant", None), ("tokens_per_s", "tok/s", "{:.2f}"),
-                        ("ratio", "x stock", "{:.2f}"), ("transient_mib", "transient MiB", "{:.1f}"),
-                        ("target", "target", ">= {:.1f}"), ("met", "met", None)])
+    print(
+        f"\ndecode: tokens/s of the whole model, median of {args.reps}, variants interleaved; "
+        f"{args.steps} steps after {args.warmup}; transient: peak memory beyond what the "
+        f"steps started with, per layer; device {device}\n"
+    )
+    table(
+        decode_rows,
+        [
+            ("context", "context", "{:,}"),
+            ("batch", "batch", None),
+            ("variant", "variant", None),
+            ("tokens_per_s", "tok/s", "{:.2f}"),
+            ("ratio", "x stock", "{:.2f}"),
+            ("transient_mib", "transient MiB", "{:.1f}"),
+            ("target", "target", ">= {:.1f}"),
+            ("met", "met", None),
+        ],
+    )
     if attention_rows:
-        print("\nattention: one layer's decode attention (update_and_fetch, RoPE-key scores, "
-              "scaled_dot_product_attention), ms per call, median; GB/s = the cache bytes a "
-              "step reads at least / its time\n")
-        table(attention_rows, [("context", "context", "{:,}"), ("batch", "batch", None),
-                               ("variant", "variant", None), ("ms", "ms", "{:.2f}"),
-                               ("speed", "x stock", "{:.2f}"), ("floor_mb", "floor MB", "{:.1f}"),
-                               ("gb_per_s", "GB/s", "{:.2f}")])
-    payload = {"model": {"model_type": "glm4_moe_lite", "config": config}, "device": device,
-               "load_average_1min_at_start": load_at_start, "decode_rows": decode_rows,
-               "attention_rows": attention_rows}
+        print(
+            "\nattention: one layer's decode attention (update_and_fetch, RoPE-key scores, "
+            "scaled_dot_product_attention), ms per call, median; GB/s = the cache bytes a "
+            "step reads at least / its time\n"
+        )
+        table(
+            attention_rows,
+            [
+                ("context", "context", "{:,}"),
+                ("batch", "batch", None),
+                ("variant", "variant", None),
+                ("ms", "ms", "{:.2f}"),
+                ("speed", "x stock", "{:.2f}"),
+                ("floor_mb", "floor MB", "{:.1f}"),
+                ("gb_per_s", "GB/s", "{:.2f}"),
+            ],
+        )
+    payload = {
+        "model": {"model_type": "glm4_moe_lite", "config": config},
+        "device": device,
+        "load_average_1min_at_start": load_at_start,
+        "decode_rows": decode_rows,
+        "attention_rows": attention_rows,
+    }
     path = write_json(args.json, "decode_speed", args, payload, started)
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
 

@@ -47,15 +47,20 @@ GLM = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "first_k_dense_replace": 2}
 VARIANTS = {
     # name: (model type, model overrides, server flags)
     "glm-bf16": ("glm4_moe_lite", GLM, []),
-    "glm-4bit": ("glm4_moe_lite", GLM,
-                 ["--kv-bits", 4, "--quantized-kv-start", 0]),
+    "glm-4bit": ("glm4_moe_lite", GLM, ["--kv-bits", 4, "--quantized-kv-start", 0]),
     "qwen2-bf16": ("qwen2", {"max_position_embeddings": 65536}, []),
 }
 
 
 def stream(server, messages, args):
-    r = sc.chat(server.port, messages, args.max_tokens, stream=True, timeout=args.timeout,
-                logit_bias=NO_SPECIAL)
+    r = sc.chat(
+        server.port,
+        messages,
+        args.max_tokens,
+        stream=True,
+        timeout=args.timeout,
+        logit_bias=NO_SPECIAL,
+    )
     if r["ttft"] is None:
         raise sc.RequestFailed("no content chunk in the stream")
     return r
@@ -66,17 +71,23 @@ def on_disk(folder):
     from mlx_lm_mla.disk.folder import INDEX, SUBFOLDER
 
     with sqlite3.connect(Path(folder) / SUBFOLDER / INDEX) as db:
-        row = db.execute("SELECT n_tokens, nbytes FROM entries ORDER BY n_tokens DESC LIMIT 1").fetchone()
+        row = db.execute(
+            "SELECT n_tokens, nbytes FROM entries ORDER BY n_tokens DESC LIMIT 1"
+        ).fetchone()
     return row or (0, 0)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS)
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
-    p.add_argument("--json", default=None, help=f"default benchmarks/results/{NAME}.json")
+    p.add_argument(
+        "--json", default=None, help=f"default benchmarks/results/{NAME}.json"
+    )
     args = p.parse_args()
 
     from mlx_lm_mla import tiny
@@ -90,53 +101,111 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants:
             model_type, overrides, flags = VARIANTS[variant]
-            model = tiny.save_model(Path(tmp) / model_type, model_type, dtype=mx.bfloat16, **overrides)
+            model = tiny.save_model(
+                Path(tmp) / model_type, model_type, dtype=mx.bfloat16, **overrides
+            )
             layers = tiny.tiny_config(model_type, **overrides)["num_hidden_layers"]
             for n in args.sizes:
                 folder = Path(tmp) / f"caches-{variant}-{n}"
                 first = sc.messages(text[:n], "What does this code compute?")
                 try:
-                    with sc.Server(model, "--prompt-cache-dir", folder, *flags,
-                                   log=sc.log_path(args.json, NAME, f"{variant}-{n}-cold")) as server:
+                    with sc.Server(
+                        model,
+                        "--prompt-cache-dir",
+                        folder,
+                        *flags,
+                        log=sc.log_path(args.json, NAME, f"{variant}-{n}-cold"),
+                    ) as server:
                         cold = stream(server, first, args)
                     tokens, nbytes = on_disk(folder)
-                    turn = first + [{"role": "assistant", "content": cold["text"]},
-                                    {"role": "user", "content": "Which function is the longest?"}]
-                    with sc.Server(model, "--prompt-cache-dir", folder, *flags,
-                                   log=sc.log_path(args.json, NAME, f"{variant}-{n}-warm")) as server:
+                    turn = first + [
+                        {"role": "assistant", "content": cold["text"]},
+                        {"role": "user", "content": "Which function is the longest?"},
+                    ]
+                    with sc.Server(
+                        model,
+                        "--prompt-cache-dir",
+                        folder,
+                        *flags,
+                        log=sc.log_path(args.json, NAME, f"{variant}-{n}-warm"),
+                    ) as server:
                         warm = stream(server, turn, args)
                 except sc.RequestFailed as e:
                     errors.append({"variant": variant, "size": n, "error": str(e)})
                     print(f"error: {variant} {n}: {e}", file=sys.stderr)
                     continue
                 entry = {
-                    "variant": variant, "size": n, "layers": layers,
+                    "variant": variant,
+                    "size": n,
+                    "layers": layers,
                     "prompt_tokens_cold": cold["usage"].get("prompt_tokens"),
                     "prompt_tokens_warm": warm["usage"].get("prompt_tokens"),
                     "cached_tokens_warm": sc.cached_tokens(warm["usage"]),
-                    "ttft_cold": cold["ttft"], "ttft_warm": warm["ttft"],
+                    "ttft_cold": cold["ttft"],
+                    "ttft_warm": warm["ttft"],
                     "warm_over_cold": warm["ttft"] / cold["ttft"],
-                    "file_tokens": tokens, "file_bytes": nbytes,
+                    "file_tokens": tokens,
+                    "file_bytes": nbytes,
                     "bytes_per_token": nbytes / tokens if tokens else None,
-                    "bytes_per_token_per_layer": nbytes / tokens / layers if tokens else None,
+                    "bytes_per_token_per_layer": nbytes / tokens / layers
+                    if tokens
+                    else None,
                 }
                 results.append(entry)
-                print(f"{variant} {n}: cold {cold['ttft']:.2f} s, warm {warm['ttft']:.2f} s "
-                      f"({100 * entry['warm_over_cold']:.1f} %), cached {entry['cached_tokens_warm']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{variant} {n}: cold {cold['ttft']:.2f} s, warm {warm['ttft']:.2f} s "
+                    f"({100 * entry['warm_over_cold']:.1f} %), cached {entry['cached_tokens_warm']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
-    rows = [[e["variant"], str(e["size"]), str(e["prompt_tokens_warm"]), str(e["cached_tokens_warm"]),
-             f"{e['ttft_cold']:.2f}", f"{e['ttft_warm']:.2f}", f"{100 * e['warm_over_cold']:.1f} %",
-             f"{e['bytes_per_token']:,.0f}", f"{e['bytes_per_token_per_layer']:,.0f}"] for e in results]
+    rows = [
+        [
+            e["variant"],
+            str(e["size"]),
+            str(e["prompt_tokens_warm"]),
+            str(e["cached_tokens_warm"]),
+            f"{e['ttft_cold']:.2f}",
+            f"{e['ttft_warm']:.2f}",
+            f"{100 * e['warm_over_cold']:.1f} %",
+            f"{e['bytes_per_token']:,.0f}",
+            f"{e['bytes_per_token_per_layer']:,.0f}",
+        ]
+        for e in results
+    ]
     print()
-    sc.table(rows, ["model", "prompt chars", "prompt tok", "restored tok", "cold TTFT s",
-                    "warm TTFT s", "warm/cold", "disk B/token", "B/token/layer"])
+    sc.table(
+        rows,
+        [
+            "model",
+            "prompt chars",
+            "prompt tok",
+            "restored tok",
+            "cold TTFT s",
+            "warm TTFT s",
+            "warm/cold",
+            "disk B/token",
+            "B/token/layer",
+        ],
+    )
     largest = [e for e in results if e["size"] == max(args.sizes)]
     met = bool(largest) and all(e["warm_over_cold"] < TARGET for e in largest)
-    print(f"\ntarget: warm TTFT < {TARGET:.0%} of cold at {max(args.sizes)} chars, every model: "
-          f"{'MET' if met else 'MISSED'}")
-    path = sc.write_json(args.json, NAME, args, {"target": {"warm_over_cold_max": TARGET, "met": met},
-                                                "results": results, "errors": errors}, started, vers)
+    print(
+        f"\ntarget: warm TTFT < {TARGET:.0%} of cold at {max(args.sizes)} chars, every model: "
+        f"{'MET' if met else 'MISSED'}"
+    )
+    path = sc.write_json(
+        args.json,
+        NAME,
+        args,
+        {
+            "target": {"warm_over_cold_max": TARGET, "met": met},
+            "results": results,
+            "errors": errors,
+        },
+        started,
+        vers,
+    )
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
     return 0 if results and not errors else 1
 

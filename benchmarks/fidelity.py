@@ -30,7 +30,9 @@ def decode_logits(model, tokens, prefill, bits):
     cache = make_prompt_cache(model)
     model(mx.array([tokens[:prefill]]), cache=cache)
     maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits)
-    return mx.concatenate([model(mx.array([[t]]), cache=cache) for t in tokens[prefill:]], axis=1)
+    return mx.concatenate(
+        [model(mx.array([[t]]), cache=cache) for t in tokens[prefill:]], axis=1
+    )
 
 
 def positions_read(k, prefill, end):
@@ -47,7 +49,11 @@ def variants(topks, prefill, end):
         if model_type not in tiny.MLA_MODEL_TYPES:
             continue
         for k in topks:
-            config = {"first_k_dense_replace": 99, "num_hidden_layers": 1, "index_topk": k}
+            config = {
+                "first_k_dense_replace": 99,
+                "num_hidden_layers": 1,
+                "index_topk": k,
+            }
             if model_type == "deepseek_v32":
                 config["rope_scaling"] = None  # as glm4_moe_lite's
             yield model_type, positions_read(k, prefill, end), config
@@ -55,7 +61,9 @@ def variants(topks, prefill, end):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=8, help="random models per variant")
+    parser.add_argument(
+        "--seeds", type=int, default=8, help="random models per variant"
+    )
     parser.add_argument("--prefill", type=int, default=96)
     parser.add_argument("--decode", type=int, default=48)
     parser.add_argument("--topk", type=int, nargs="+", default=[16, 32, 48, 96])
@@ -72,10 +80,17 @@ def main():
             model, _ = tiny.build_model(model_type, seed=seed, **config)
             reference = decode_logits(model, tokens, args.prefill, None)
             for bits in (8, 4):
-                diff = mx.abs(decode_logits(model, tokens, args.prefill, bits) - reference).max().item()
+                diff = (
+                    mx.abs(decode_logits(model, tokens, args.prefill, bits) - reference)
+                    .max()
+                    .item()
+                )
                 row.setdefault(bits, []).append(diff)
         for bits in (8, 4):
-            row[f"median{bits}"], row[f"max{bits}"] = statistics.median(row[bits]), max(row[bits])
+            row[f"median{bits}"], row[f"max{bits}"] = (
+                statistics.median(row[bits]),
+                max(row[bits]),
+            )
         rows.append(row)
     print(
         f"max |logit difference|, {args.prefill} tokens prefilled and quantized, "
@@ -92,7 +107,12 @@ def main():
             ("max4", "4-bit max", "{:.4f}"),
         ],
     )
-    payload = {"rows": [{k if isinstance(k, str) else f"bits{k}": v for k, v in r.items()} for r in rows]}
+    payload = {
+        "rows": [
+            {k if isinstance(k, str) else f"bits{k}": v for k, v in r.items()}
+            for r in rows
+        ]
+    }
     print("wrote", write_json(args.json, "fidelity", args, payload, started))
 
 

@@ -23,14 +23,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "benchmarks" / "figures"
-DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
 BLOCK = re.compile(r"<!-- figures: (\w+)(?: (\w+))? -->\n(.*?)<!-- /figures -->", re.S)
 MIB = 2**20
 
 
 def rows_table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+    ]
+    return (
+        "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
+    )
 
 
 def run_line(data):
@@ -52,16 +61,39 @@ def decode_speed(data, table=None):
     if table == "attention":
         header = ["context", "batch", "variant", "ms", "x stock", "floor MB", "GB/s"]
         rows = [
-            (f"{r['context']:,}", r["batch"], VARIANTS[r["variant"]], f"{r['ms']:.1f}",
-             f"{r['speed']:.2f}", f"{r['floor_mb']:.1f}", f"{r['gb_per_s']:.2f}")
+            (
+                f"{r['context']:,}",
+                r["batch"],
+                VARIANTS[r["variant"]],
+                f"{r['ms']:.1f}",
+                f"{r['speed']:.2f}",
+                f"{r['floor_mb']:.1f}",
+                f"{r['gb_per_s']:.2f}",
+            )
             for r in data["attention_rows"]
         ]
     else:
-        header = ["context", "batch", "variant", "tokens/s", "x stock", "transient MiB/layer", "target"]
+        header = [
+            "context",
+            "batch",
+            "variant",
+            "tokens/s",
+            "x stock",
+            "transient MiB/layer",
+            "target",
+        ]
         rows = [
-            (f"{r['context']:,}", r["batch"], VARIANTS[r["variant"]], f"{r['tokens_per_s']:.2f}",
-             f"{r['ratio']:.2f}", f"{r['transient_mib']:.1f}",
-             f">= {r['target']:.1f}: {'met' if r['met'] else 'missed'}" if "target" in r else "-")
+            (
+                f"{r['context']:,}",
+                r["batch"],
+                VARIANTS[r["variant"]],
+                f"{r['tokens_per_s']:.2f}",
+                f"{r['ratio']:.2f}",
+                f"{r['transient_mib']:.1f}",
+                f">= {r['target']:.1f}: {'met' if r['met'] else 'missed'}"
+                if "target" in r
+                else "-",
+            )
             for r in data["decode_rows"]
             if table != "targets" or (r["context"], r["batch"]) in _with_targets(data)
         ]
@@ -73,22 +105,46 @@ def _with_targets(data):
 
 
 def peak_memory(data, table=None):
-    header = ["variant", "peak", "cache", "transient", "decode transient", "target", "result"]
+    header = [
+        "variant",
+        "peak",
+        "cache",
+        "transient",
+        "decode transient",
+        "target",
+        "result",
+    ]
     rows = []
     for r in data["rows"]:
         per = {k: (None if v is None else v / MIB) for k, v in r["per_layer"].items()}
         fmt = lambda x: "-" if x is None or r["error"] else f"{x:.1f}"  # noqa: E731
         target = "-" if r["met"] is None else ("met" if r["met"] else "missed")
         result = r["error"] or f"`{', '.join(r['classes'])}`"
-        rows.append((r["variant"], fmt(per["peak"]), fmt(per["cache"]), fmt(per["transient"]),
-                     fmt(per["decode_transient"]), target, result))
+        rows.append(
+            (
+                r["variant"],
+                fmt(per["peak"]),
+                fmt(per["cache"]),
+                fmt(per["transient"]),
+                fmt(per["decode_transient"]),
+                target,
+                result,
+            )
+        )
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
 def mixed_batch_memory(data, table=None):
     header = ["rows quantized", "cache", "MiB per layer", "against all exact"]
-    rows = [(f"{r['quantized']} of {data['args']['rows']}", f"`{r['cls']}`", f"{r['bytes'] / MIB:.2f}",
-             f"{r['ratio']:.2f}") for r in data["rows"]]
+    rows = [
+        (
+            f"{r['quantized']} of {data['args']['rows']}",
+            f"`{r['cls']}`",
+            f"{r['bytes'] / MIB:.2f}",
+            f"{r['ratio']:.2f}",
+        )
+        for r in data["rows"]
+    ]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
@@ -96,37 +152,114 @@ def bytes_per_token(data, table=None):
     """Whole-model bytes per token at 4,096 tokens (default), the DSA models
     (``dsa``) or each rank under mlx.launch (``ranks``)."""
     if table == "dsa":
-        header = ["model", "latent", "latent bytes/token", "indexer", "total", "of unquantized"]
-        rows = [(r["model"], r["latent"].replace(" (stock)", ""), f"{r['latent_per_token']:,.0f}",
-                 f"{r['indexer_per_token']:,.0f}", f"{r['total_per_token']:,.0f}", f"{r['of_unquantized']:.3f}")
-                for r in data["dsa"]]
+        header = [
+            "model",
+            "latent",
+            "latent bytes/token",
+            "indexer",
+            "total",
+            "of unquantized",
+        ]
+        rows = [
+            (
+                r["model"],
+                r["latent"].replace(" (stock)", ""),
+                f"{r['latent_per_token']:,.0f}",
+                f"{r['indexer_per_token']:,.0f}",
+                f"{r['total_per_token']:,.0f}",
+                f"{r['of_unquantized']:.3f}",
+            )
+            for r in data["dsa"]
+        ]
     elif table == "ranks":
-        header = ["model", "cache", "parallel", "ranks", "layers per rank", "largest rank", "smallest rank"]
-        rows = [(r["model"], r["cache"], r["parallel"], r["ranks"], r["layers_per_rank"],
-                 f"{r['largest_rank']:,.0f}", f"{r['smallest_rank']:,.0f}") for r in data["per_rank"]]
+        header = [
+            "model",
+            "cache",
+            "parallel",
+            "ranks",
+            "layers per rank",
+            "largest rank",
+            "smallest rank",
+        ]
+        rows = [
+            (
+                r["model"],
+                r["cache"],
+                r["parallel"],
+                r["ranks"],
+                r["layers_per_rank"],
+                f"{r['largest_rank']:,.0f}",
+                f"{r['smallest_rank']:,.0f}",
+            )
+            for r in data["per_rank"]
+        ]
     else:
         header = ["model", "cache", "bytes/token", "floor", "held / floor", "layout"]
-        rows = [(r["model"], r["cache"], f"{r['bytes_per_token']:,.0f}", f"{r['floor_per_token']:,.0f}",
-                 f"{r['held_ratio']:.4f}", r["note"]) for r in data["single"] if r["tokens"] == 4096]
+        rows = [
+            (
+                r["model"],
+                r["cache"],
+                f"{r['bytes_per_token']:,.0f}",
+                f"{r['floor_per_token']:,.0f}",
+                f"{r['held_ratio']:.4f}",
+                r["note"],
+            )
+            for r in data["single"]
+            if r["tokens"] == 4096
+        ]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
 def fidelity(data, table=None):
-    header = ["model", "positions read", "8-bit median", "8-bit max", "4-bit median", "4-bit max"]
-    rows = [(f"`{r['model']}`", r["read"], f"{r['median8']:.4f}", f"{r['max8']:.4f}",
-             f"{r['median4']:.4f}", f"{r['max4']:.4f}") for r in data["rows"]]
+    header = [
+        "model",
+        "positions read",
+        "8-bit median",
+        "8-bit max",
+        "4-bit median",
+        "4-bit max",
+    ]
+    rows = [
+        (
+            f"`{r['model']}`",
+            r["read"],
+            f"{r['median8']:.4f}",
+            f"{r['max8']:.4f}",
+            f"{r['median4']:.4f}",
+            f"{r['max4']:.4f}",
+        )
+        for r in data["rows"]
+    ]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
 def disk_ttft(data, table=None):
     """Every prompt size (default) or the largest (``largest``)."""
     largest = max(e["size"] for e in data["results"])
-    header = ["model", "prompt chars", "prompt tokens", "restored tokens", "cold TTFT s", "warm TTFT s",
-              "warm / cold", "disk B/token/layer"]
-    rows = [(e["variant"], f"{e['size']:,}", f"{e['prompt_tokens_warm']:,}", f"{e['cached_tokens_warm']:,}",
-             f"{e['ttft_cold']:.2f}", f"{e['ttft_warm']:.2f}", f"{100 * e['warm_over_cold']:.1f} %",
-             f"{e['bytes_per_token_per_layer']:,.0f}") for e in data["results"]
-            if table != "largest" or e["size"] == largest]
+    header = [
+        "model",
+        "prompt chars",
+        "prompt tokens",
+        "restored tokens",
+        "cold TTFT s",
+        "warm TTFT s",
+        "warm / cold",
+        "disk B/token/layer",
+    ]
+    rows = [
+        (
+            e["variant"],
+            f"{e['size']:,}",
+            f"{e['prompt_tokens_warm']:,}",
+            f"{e['cached_tokens_warm']:,}",
+            f"{e['ttft_cold']:.2f}",
+            f"{e['ttft_warm']:.2f}",
+            f"{100 * e['warm_over_cold']:.1f} %",
+            f"{e['bytes_per_token_per_layer']:,.0f}",
+        )
+        for e in data["results"]
+        if table != "largest" or e["size"] == largest
+    ]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
@@ -134,13 +267,32 @@ def disk_lookup(data, table=None):
     """Lookup time against rows (default), or the TTFT of an unrelated prompt (``ttft``)."""
     if table == "ttft":
         header = ["server", "TTFT s (median)", "requests", "cached tokens, most"]
-        rows = [(e["variant"], f"{e['ttft_median_s']:.3f}", e["n"], e["max_cached_tokens"]) for e in data["ttft"]]
+        rows = [
+            (e["variant"], f"{e['ttft_median_s']:.3f}", e["n"], e["max_cached_tokens"])
+            for e in data["ttft"]
+        ]
     else:
-        header = ["rows", "tokens / row", "index MB", "lookup ms: unrelated", "system prompt",
-                  "half a row", "check at start s"]
-        rows = [(f"{e['rows']:,}", f"{e['tokens_per_row']:,}", f"{e['index_mb']:.0f}",
-                 f"{e['lookup_ms_unrelated']:.2f}", f"{e['lookup_ms_system_prompt']:.2f}",
-                 f"{e['lookup_ms_half_a_row']:.2f}", f"{e['check_at_start_s']:.2f}") for e in data["lookup"]]
+        header = [
+            "rows",
+            "tokens / row",
+            "index MB",
+            "lookup ms: unrelated",
+            "system prompt",
+            "half a row",
+            "check at start s",
+        ]
+        rows = [
+            (
+                f"{e['rows']:,}",
+                f"{e['tokens_per_row']:,}",
+                f"{e['index_mb']:.0f}",
+                f"{e['lookup_ms_unrelated']:.2f}",
+                f"{e['lookup_ms_system_prompt']:.2f}",
+                f"{e['lookup_ms_half_a_row']:.2f}",
+                f"{e['check_at_start_s']:.2f}",
+            )
+            for e in data["lookup"]
+        ]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
@@ -158,7 +310,9 @@ RENDER = {
 def render(name, table=None):
     path = FIGURES / f"{name}.json"
     if not path.is_file():
-        raise SystemExit(f"{path.relative_to(ROOT)} is not kept: run the benchmark, then figures.py keep {name}")
+        raise SystemExit(
+            f"{path.relative_to(ROOT)} is not kept: run the benchmark, then figures.py keep {name}"
+        )
     return RENDER[name](json.loads(path.read_text()), table)
 
 
@@ -187,7 +341,11 @@ def main(argv=None):
     keep.add_argument("path", nargs="?", help="default: benchmarks/results/NAME.json")
     args = p.parse_args(argv)
     if args.command == "keep":
-        source = Path(args.path) if args.path else ROOT / "benchmarks" / "results" / f"{args.name}.json"
+        source = (
+            Path(args.path)
+            if args.path
+            else ROOT / "benchmarks" / "results" / f"{args.name}.json"
+        )
         FIGURES.mkdir(exist_ok=True)
         shutil.copyfile(source, FIGURES / f"{args.name}.json")
         return

@@ -38,7 +38,9 @@ def batch(rows, tokens):
 def held(rows, tokens, quantized):
     b = batch(rows, tokens)
     quantize_rows(b, list(range(quantized)), 64, 4)
-    mx.eval(b.state if quantized in (0, rows) else (b.keys, b.packed.keys, b.packed.values))
+    mx.eval(
+        b.state if quantized in (0, rows) else (b.keys, b.packed.keys, b.packed.values)
+    )
     return type(b).__name__, b.nbytes
 
 
@@ -46,7 +48,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--json", default=None, help="default: benchmarks/results/mixed_batch_memory.json")
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="default: benchmarks/results/mixed_batch_memory.json",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     mlx_lm_mla.install()
@@ -54,11 +60,24 @@ def main(argv=None):
     rows = []
     for q in range(args.rows + 1):
         name, n = held(args.rows, args.tokens, q)
-        rows.append(dict(quantized=q, cls=name, bytes=n, bytes_mib=n / 2**20, ratio=n / exact))
-    print(f"{args.rows} rows of {args.tokens} tokens, one MLA layer (x{GLM['layers']} for the model)\n")
-    _common.table(rows, [("quantized", "rows quantized", None), ("cls", "cache", None),
-                         ("bytes_mib", "MiB per layer", "{:.2f}"), ("ratio", "against all exact", "{:.2f}")])
-    path = _common.write_json(args.json, "mixed_batch_memory", args, {"rows": rows}, started)
+        rows.append(
+            dict(quantized=q, cls=name, bytes=n, bytes_mib=n / 2**20, ratio=n / exact)
+        )
+    print(
+        f"{args.rows} rows of {args.tokens} tokens, one MLA layer (x{GLM['layers']} for the model)\n"
+    )
+    _common.table(
+        rows,
+        [
+            ("quantized", "rows quantized", None),
+            ("cls", "cache", None),
+            ("bytes_mib", "MiB per layer", "{:.2f}"),
+            ("ratio", "against all exact", "{:.2f}"),
+        ],
+    )
+    path = _common.write_json(
+        args.json, "mixed_batch_memory", args, {"rows": rows}, started
+    )
     print(f"\nwrote {path}")
 
 

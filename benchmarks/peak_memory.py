@@ -39,7 +39,14 @@ import _common  # noqa: F401  (puts the repository root on sys.path)
 from _common import GLM_4_7_FLASH, glm_attention_model, table, write_json
 
 PREFILL_STEP = 2048
-VARIANTS = [("stock", None), ("ours", None), ("ours", 8), ("ours", 4), ("stock", 8), ("stock", 4)]
+VARIANTS = [
+    ("stock", None),
+    ("ours", None),
+    ("ours", 8),
+    ("ours", 4),
+    ("stock", 8),
+    ("stock", 4),
+]
 
 
 def one_run(args):
@@ -77,8 +84,13 @@ def one_run(args):
         decode_start = mx.get_active_memory()
         mx.reset_peak_memory()
         steps = generate_step(
-            mx.array([11]), model, prompt_cache=cache, max_tokens=args.steps,
-            kv_bits=args.bits, kv_group_size=64, quantized_kv_start=args.start,
+            mx.array([11]),
+            model,
+            prompt_cache=cache,
+            max_tokens=args.steps,
+            kv_bits=args.bits,
+            kv_group_size=64,
+            quantized_kv_start=args.start,
         )
         for _ in steps:
             pass
@@ -88,23 +100,44 @@ def one_run(args):
     decode_peak = mx.get_peak_memory() if error is None else 0
     peak = max(fill_peak, decode_peak) if error is None else mx.get_peak_memory()
     held = sum(c.nbytes for c in cache)
-    print(json.dumps(dict(
-        package=args.package, bits=args.bits, error=error, peak=peak - before, cache=held,
-        decode_transient=decode_peak - decode_start if error is None else None,
-        classes=sorted({type(c).__name__ for c in cache}), offset=cache[0].offset,
-    )))
+    print(
+        json.dumps(
+            dict(
+                package=args.package,
+                bits=args.bits,
+                error=error,
+                peak=peak - before,
+                cache=held,
+                decode_transient=decode_peak - decode_start if error is None else None,
+                classes=sorted({type(c).__name__ for c in cache}),
+                offset=cache[0].offset,
+            )
+        )
+    )
 
 
 def main():
     started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--context", type=int, default=32768, help="prompt tokens (default: 32768)")
-    p.add_argument("--steps", type=int, default=256, help="decode steps after it (default: 256)")
+    p.add_argument(
+        "--context", type=int, default=32768, help="prompt tokens (default: 32768)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=256, help="decode steps after it (default: 256)"
+    )
     p.add_argument("--layers", type=int, default=2, help="model layers (default: 2)")
-    p.add_argument("--start", type=int, default=4096, help="quantized_kv_start (default: 4096)")
-    p.add_argument("--variants", nargs="+", default=[f"{p}{b or ''}" for p, b in VARIANTS],
-                   help="of stock, ours, ours8, ours4, stock8, stock4 (default: all)")
-    p.add_argument("--json", default=None, help="default: benchmarks/results/peak_memory.json")
+    p.add_argument(
+        "--start", type=int, default=4096, help="quantized_kv_start (default: 4096)"
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=[f"{p}{b or ''}" for p, b in VARIANTS],
+        help="of stock, ours, ours8, ours4, stock8, stock4 (default: all)",
+    )
+    p.add_argument(
+        "--json", default=None, help="default: benchmarks/results/peak_memory.json"
+    )
     p.add_argument("--package", choices=["stock", "ours"], help=argparse.SUPPRESS)
     p.add_argument("--bits", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -116,21 +149,42 @@ def main():
         if f"{package}{bits or ''}" not in args.variants:
             continue
         print(f"{package} {bits or 'bf16'} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--package", package, "--context", str(args.context),
-               "--steps", str(args.steps), "--layers", str(args.layers), "--start", str(args.start)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--package",
+            package,
+            "--context",
+            str(args.context),
+            "--steps",
+            str(args.steps),
+            "--layers",
+            str(args.layers),
+            "--start",
+            str(args.start),
+        ]
         cmd += ["--bits", str(bits)] if bits else []
-        env = {**os.environ, "MLX_LM_MLA_DISABLE": "1"}  # each run installs (or not) itself
+        env = {
+            **os.environ,
+            "MLX_LM_MLA_DISABLE": "1",
+        }  # each run installs (or not) itself
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
 
     base = next(r for r in rows if r["bits"] is None)  # the bf16 run (stock's, if run)
     for r in rows:
-        r["variant"] = f"{r['package']} {r['bits']}-bit" if r["bits"] else f"{r['package']} bf16"
+        r["variant"] = (
+            f"{r['package']} {r['bits']}-bit" if r["bits"] else f"{r['package']} bf16"
+        )
         r["transient"] = r["peak"] - r["cache"]
         keys = ("peak", "cache", "transient", "decode_transient")
         r["per_layer"] = {k: None if r[k] is None else r[k] / args.layers for k in keys}
         r["allowed"] = base["decode_transient"] if r["bits"] else None
-        r["met"] = None if r["error"] or not r["bits"] else r["decode_transient"] <= r["allowed"]
+        r["met"] = (
+            None
+            if r["error"] or not r["bits"]
+            else r["decode_transient"] <= r["allowed"]
+        )
     mb = lambda x: None if x is None else x / 2**20
     print(
         f"\nPeak memory beyond the weights: {args.context:,}-token prompt in {PREFILL_STEP:,}-token "
@@ -146,9 +200,12 @@ def main():
                 cache=mb(r["per_layer"]["cache"]),
                 transient=mb(r["per_layer"]["transient"]),
                 decode=mb(r["per_layer"]["decode_transient"]),
-                allowed=None if r["allowed"] is None else mb(r["allowed"] / args.layers),
+                allowed=None
+                if r["allowed"] is None
+                else mb(r["allowed"] / args.layers),
                 met=r["met"],
-                result=r["error"] or f"{', '.join(r['classes'])}, {r['offset']:,} tokens",
+                result=r["error"]
+                or f"{', '.join(r['classes'])}, {r['offset']:,} tokens",
             )
             for r in rows
         ],

@@ -30,7 +30,9 @@ class RopeQuantizedCache(QuantizedLatentCache):
         latent, rope = super().update_and_fetch(latent, rope)
         # Round every cached position, as a quantized store would.
         q = mx.quantize(rope, group_size=self.group_size, bits=self.rope_bits)
-        return latent, mx.dequantize(*q, group_size=self.group_size, bits=self.rope_bits)
+        return latent, mx.dequantize(
+            *q, group_size=self.group_size, bits=self.rope_bits
+        )
 
 
 def logits(model, tokens, prefill, bits, quantize_rope):
@@ -70,9 +72,20 @@ def main():
     print(f"{'bits':>4}  {'RoPE key':<10}{'max |dlogit|':>13}{'bytes/token/layer':>19}")
     for bits in (8, 4):
         for quantize_rope in (False, True):
-            diff = mx.abs(logits(model, tokens, prefill, bits, quantize_rope) - ref).max().item()
+            diff = (
+                mx.abs(logits(model, tokens, prefill, bits, quantize_rope) - ref)
+                .max()
+                .item()
+            )
             size = bytes_per_token(bits, quantize_rope)
-            rows.append(dict(bits=bits, quantize_rope=quantize_rope, max_logit_diff=diff, bytes_per_token_layer=size))
+            rows.append(
+                dict(
+                    bits=bits,
+                    quantize_rope=quantize_rope,
+                    max_logit_diff=diff,
+                    bytes_per_token_layer=size,
+                )
+            )
             label = "quantized" if quantize_rope else "bfloat16"
             print(f"{bits:>4}  {label:<10}{diff:>13.4f}{size:>19.0f}")
     print(f"unquantized: {bytes_per_token(None, False):.0f} bytes/token/layer")

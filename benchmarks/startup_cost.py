@@ -40,24 +40,30 @@ def main():
         print(f"\r{i + 1}/{args.runs}", end="", file=sys.stderr)
     print(file=sys.stderr)
     trace = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True
+        [sys.executable, "-X", "importtime", "-c", "pass"],
+        capture_output=True,
+        text=True,
     ).stderr.splitlines()
     hook_us = sum(
-        int(line.split("|")[0].split(":")[1])
-        for line in trace
-        if "mlx_lm_mla" in line
+        int(line.split("|")[0].split(":")[1]) for line in trace if "mlx_lm_mla" in line
     )
     result = {
         "hook_on_ms": statistics.median(on) * 1e3,
         "hook_off_ms": statistics.median(off) * 1e3,
         "hook_imports_self_ms": hook_us / 1e3,
-        "mlx_imported_at_startup": any(" mlx.core" in l or "| mlx\n" in l for l in trace),
+        "mlx_imported_at_startup": any(
+            " mlx.core" in l or "| mlx\n" in l for l in trace
+        ),
     }
     result["difference_ms"] = result["hook_on_ms"] - result["hook_off_ms"]
-    print(f"python -c pass, median of {args.runs}: hook on {result['hook_on_ms']:.1f} ms, "
-          f"off {result['hook_off_ms']:.1f} ms, difference {result['difference_ms']:+.1f} ms")
-    print(f"the hook's own imports (-X importtime, self): {result['hook_imports_self_ms']:.2f} ms; "
-          f"mlx imported at start-up: {result['mlx_imported_at_startup']}")
+    print(
+        f"python -c pass, median of {args.runs}: hook on {result['hook_on_ms']:.1f} ms, "
+        f"off {result['hook_off_ms']:.1f} ms, difference {result['difference_ms']:+.1f} ms"
+    )
+    print(
+        f"the hook's own imports (-X importtime, self): {result['hook_imports_self_ms']:.2f} ms; "
+        f"mlx imported at start-up: {result['mlx_imported_at_startup']}"
+    )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)

@@ -58,8 +58,13 @@ def served(model_type, bits):
             prompt = prefix + [(7 * r + j) % 190 + 5 for j in range(2 + 3 * r)]
             caches = make_prompt_cache(model)  # fresh: hybrids cannot be trimmed
             for _ in generate_step(
-                mx.array(prompt), model, prompt_cache=caches, max_tokens=24,
-                kv_bits=bits, kv_group_size=64, quantized_kv_start=48,
+                mx.array(prompt),
+                model,
+                prompt_cache=caches,
+                max_tokens=24,
+                kv_bits=bits,
+                kv_group_size=64,
+                quantized_kv_start=48,
             ):
                 pass
     except Exception as e:  # the reported failure is an AttributeError
@@ -72,13 +77,20 @@ def window(model_type):
     caches = make_prompt_cache(model, max_kv_size=64)
     model(mx.array([[5 + i % 190 for i in range(159)]]), cache=caches)
     model(mx.array([[7]]), cache=caches)
-    held = [min(c.offset, c.keys.shape[2]) for c in leaves(caches) if getattr(c, "keys", None) is not None]
+    held = [
+        min(c.offset, c.keys.shape[2])
+        for c in leaves(caches)
+        if getattr(c, "keys", None) is not None
+    ]
     return max(held)
 
 
 def batched(model_type, bits):
     """'ok' and the rows' bytes after 4 prompts served at once, or the error."""
-    if bits is not None and "kv_bits" not in inspect.signature(BatchGenerator).parameters:
+    if (
+        bits is not None
+        and "kv_bits" not in inspect.signature(BatchGenerator).parameters
+    ):
         return "BatchGenerator takes no kv_bits", None
     model, _ = tiny.build_model(model_type, **WIDE)
     prompts = [[(5 * i + 7 * r) % 190 + 5 for i in range(40 + 9 * r)] for r in range(4)]
@@ -103,7 +115,11 @@ def fidelity(model_type, bits):
         caches = make_prompt_cache(model)
         model(mx.array([prompt[:40]]), cache=caches)
         maybe_quantize_kv_cache(caches, 0, 64, b)
-        out.append(mx.concatenate([model(mx.array([[t]]), cache=caches) for t in prompt[40:]], axis=1))
+        out.append(
+            mx.concatenate(
+                [model(mx.array([[t]]), cache=caches) for t in prompt[40:]], axis=1
+            )
+        )
     return mx.abs(out[0] - out[1]).max().item()
 
 
@@ -121,12 +137,17 @@ def one_layer(bits, tokens=16383):
     buffer then full), and the bytes one decode step (write a token, read
     the cache, attend with 16 heads) takes beyond what the cache holds."""
     c = cache.MLALatentCache()
-    c.update_and_fetch(mx.random.normal((1, 1, tokens, 512)).astype(mx.bfloat16),
-                       mx.random.normal((1, 1, tokens, 64)).astype(mx.bfloat16))
+    c.update_and_fetch(
+        mx.random.normal((1, 1, tokens, 512)).astype(mx.bfloat16),
+        mx.random.normal((1, 1, tokens, 64)).astype(mx.bfloat16),
+    )
     if bits is not None:
         c = c.to_quantized(group_size=64, bits=bits)
     q = mx.random.normal((1, 16, 1, 512)).astype(mx.bfloat16)
-    token = (mx.zeros((1, 1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 1, 64), mx.bfloat16))
+    token = (
+        mx.zeros((1, 1, 1, 512), mx.bfloat16),
+        mx.zeros((1, 1, 1, 64), mx.bfloat16),
+    )
     mx.eval(c.keys, c.values, q, token)
     per_token = c.nbytes / (tokens + 1)
 
@@ -144,20 +165,34 @@ def model_step(layers, bits, tokens=8191):
     model, _ = tiny.build_model("glm4_moe_lite", num_hidden_layers=layers, **WIDE)
     caches = make_prompt_cache(model)
     for i in range(0, tokens, 2048):
-        model(mx.array([[(5 * j + 7) % 190 + 5 for j in range(i, min(tokens, i + 2048))]]), cache=caches)
+        model(
+            mx.array(
+                [[(5 * j + 7) % 190 + 5 for j in range(i, min(tokens, i + 2048))]]
+            ),
+            cache=caches,
+        )
         mx.eval([c.state for c in caches])
     maybe_quantize_kv_cache(caches, 0, 64, bits)
     mx.eval([c.state for c in caches])
-    return sum(c.nbytes for c in caches), transient(lambda: model(mx.array([[7]]), cache=caches))
+    return sum(c.nbytes for c in caches), transient(
+        lambda: model(mx.array([[7]]), cache=caches)
+    )
 
 
 def requantized(bits, dtype, tokens=4096):
     """The share of a random latent's codes that move when its dequantized
     values are quantized again (why a batch never dequantizes a row)."""
-    codes = mx.quantize(mx.random.normal((1, 1, tokens, 512)).astype(dtype), group_size=64, bits=bits)
-    again = mx.quantize(mx.dequantize(*codes, group_size=64, bits=bits), group_size=64, bits=bits)
+    codes = mx.quantize(
+        mx.random.normal((1, 1, tokens, 512)).astype(dtype), group_size=64, bits=bits
+    )
+    again = mx.quantize(
+        mx.dequantize(*codes, group_size=64, bits=bits), group_size=64, bits=bits
+    )
     shift = 32 - bits  # compare code by code: bits at a time out of each uint32
-    moved = [(codes[0] << (i * bits)) >> shift != (again[0] << (i * bits)) >> shift for i in range(32 // bits)]
+    moved = [
+        (codes[0] << (i * bits)) >> shift != (again[0] << (i * bits)) >> shift
+        for i in range(32 // bits)
+    ]
     return mx.stack(moved).mean().item()
 
 
@@ -184,13 +219,17 @@ def decode_ratio(model_type, bits, rounds=3):
 def main():
     form = "patches 1 and 2" if BATCH else "patch 1" if FIX else "release"
     print(f"tree: {Path(cache.__file__).parents[2]} ({form})")
-    print(f"{'model':<20} {'kv_bits 4, 6 requests':<44} {'bytes vs exact':>14} {'max_kv_size 64':>15}")
+    print(
+        f"{'model':<20} {'kv_bits 4, 6 requests':<44} {'bytes vs exact':>14} {'max_kv_size 64':>15}"
+    )
     for t in tiny.MLA_MODEL_TYPES:
         result, nbytes = served(t, 4)
         _, exact = served(t, None)
         ratio = f"{nbytes / exact:.2f}" if nbytes else "-"
         print(f"{t:<20} {result[:44]:<44} {ratio:>14} {window(t):>15}")
-    print(f"\n{'model':<20} {'BatchGenerator, kv_bits 4, 4 prompts':<44} {'bytes vs exact':>14}")
+    print(
+        f"\n{'model':<20} {'BatchGenerator, kv_bits 4, 4 prompts':<44} {'bytes vs exact':>14}"
+    )
     for t in ("glm4_moe_lite", "deepseek_v3", "kimi_linear", "deepseek_v32"):
         result, nbytes = batched(t, 4)
         _, exact = batched(t, None)
@@ -204,16 +243,25 @@ def main():
     print("\nDeepSeek-V3 widths, one layer of 16384 tokens (bfloat16):")
     for b in (None, 8, 4):
         per_token, step = one_layer(b)
-        print(f"  {b or 'exact':>5}: {per_token:.0f} bytes a token, a decode step takes {step / 2**20:.1f} MiB more")
+        print(
+            f"  {b or 'exact':>5}: {per_token:.0f} bytes a token, a decode step takes {step / 2**20:.1f} MiB more"
+        )
     print("A tiny glm4_moe_lite holding 8192 tokens (float32, latent 512):")
     for layers in (2, 8):
         for b in (None, 4):
             held, step = model_step(layers, b)
-            print(f"  {layers} layers, {b or 'exact':>5}: cache {held / 2**20:.1f} MiB, "
-                  f"a decode step takes {step / 2**20:.1f} MiB more")
-    print("Codes that move when a dequantized latent is quantized again: " + ", ".join(
-        f"{b} bits {str(d).split('.')[-1]} {requantized(b, d):.0%}"
-        for b in (4, 8) for d in (mx.bfloat16, mx.float16, mx.float32)))
+            print(
+                f"  {layers} layers, {b or 'exact':>5}: cache {held / 2**20:.1f} MiB, "
+                f"a decode step takes {step / 2**20:.1f} MiB more"
+            )
+    print(
+        "Codes that move when a dequantized latent is quantized again: "
+        + ", ".join(
+            f"{b} bits {str(d).split('.')[-1]} {requantized(b, d):.0%}"
+            for b in (4, 8)
+            for d in (mx.bfloat16, mx.float16, mx.float32)
+        )
+    )
     for t in ("glm4_moe_lite", "deepseek_v3"):
         print(f"{t}: decode time, 4-bit latent / unquantized: {decode_ratio(t, 4):.2f}")
 

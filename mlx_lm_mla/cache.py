@@ -11,6 +11,7 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
+
 def _one_head(cache):
     # The structure every MLA latent cache has: one head, non-zero widths.
     k, v = getattr(cache, "keys", None), getattr(cache, "values", None)

@@ -63,7 +63,6 @@ def definition(obj):
     return node
 
 
-
 def _written(call, name):
     """What ``call`` writes through ``name``: None for ``name.update_and_fetch``,
     i for ``name[i].update_and_fetch``."""

@@ -14,6 +14,7 @@ import time
 
 import mlx.core as mx
 
+
 def serve_requests(
     fixed,
     requests=12,

@@ -61,8 +61,6 @@ def stock():
     mlx_lm_mla.uninstall()
 
 
-
-
 @pytest.fixture
 def stock_caches():
     """The cache classes stock mlx-lm gives a model, found with the package

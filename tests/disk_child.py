@@ -25,7 +25,9 @@ def random_cache(n, layers=2, seed=0):
     out = []
     for _ in range(layers):
         c = KVCache()
-        c.update_and_fetch(mx.random.normal((1, 2, n, 16)), mx.random.normal((1, 2, n, 16)))
+        c.update_and_fetch(
+            mx.random.normal((1, 2, n, 16)), mx.random.normal((1, 2, n, 16))
+        )
         out.append(c)
     return out
 

@@ -15,11 +15,17 @@ import sys
 
 if __name__ == "__main__":
     # A host that shows Python's logs, set up before mlx_lm is imported (when the fix logs).
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 START = 32  # quantized_kv_start
 CHUNK = 16  # prefill step
@@ -29,7 +35,10 @@ HISTORY = [(3 * i + 11) % 190 + 5 for i in range(30)]
 
 def chat(n):
     """A growing chat: each request repeats the last one and adds a turn."""
-    return [HISTORY + [(7 * r + j) % 190 + 5 for r in range(k + 1) for j in range(5)] for k in range(n)]
+    return [
+        HISTORY + [(7 * r + j) % 190 + 5 for r in range(k + 1) for j in range(5)]
+        for k in range(n)
+    ]
 
 
 class SequentialEngine:
@@ -45,11 +54,15 @@ class SequentialEngine:
 
     def request(self, prompt, max_tokens=6):
         common = 0
-        while common < min(len(self.tokens), len(prompt) - 1) and self.tokens[common] == prompt[common]:
+        while (
+            common < min(len(self.tokens), len(prompt) - 1)
+            and self.tokens[common] == prompt[common]
+        ):
             common += 1
         held = self.cache[0].offset
         if held > common and not (
-            can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, held - common)
+            can_trim_prompt_cache(self.cache)
+            and trim_prompt_cache(self.cache, held - common)
         ):
             self.cache, common = make_prompt_cache(self.model, self.window), 0
         rest = prompt[common:]
@@ -61,8 +74,13 @@ class SequentialEngine:
         out = [
             t
             for t, _ in generate_step(
-                mx.array(rest), self.model, prompt_cache=self.cache, max_tokens=max_tokens,
-                kv_bits=self.bits, kv_group_size=64, quantized_kv_start=START,
+                mx.array(rest),
+                self.model,
+                prompt_cache=self.cache,
+                max_tokens=max_tokens,
+                kv_bits=self.bits,
+                kv_group_size=64,
+                quantized_kv_start=START,
             )
         ]
         self.tokens = (prompt + out)[: self.cache[0].offset]
@@ -82,7 +100,9 @@ def serve(model_path, requests=6, bits=4):
             served += len(engine.request(prompt)) > 0
         except Exception as e:  # a failed request; the engine goes on to the next
             errors.append(f"{type(e).__name__}: {e}")
-    patch = sys.modules.get("mlx_lm_mla.patches")  # only the start-up hook can have loaded it
+    patch = sys.modules.get(
+        "mlx_lm_mla.patches"
+    )  # only the start-up hook can have loaded it
     return {
         "served": served,
         "errors": len(errors),

@@ -26,7 +26,9 @@ def save_served_model(path):
 
 def server_supports(flag):
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm.server", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "mlx_lm.server", "--help"],
+        capture_output=True,
+        text=True,
     )
     return flag in out.stdout
 
@@ -42,7 +44,9 @@ class Server:
     the package activates through its start-up hook unless disabled. With
     ``faults`` (``point:n``), the fault-injecting server of the test kit."""
 
-    def __init__(self, model_path, *flags, disabled=False, env=None, log=None, faults=None):
+    def __init__(
+        self, model_path, *flags, disabled=False, env=None, log=None, faults=None
+    ):
         self.port = free_port()
         environ = dict(os.environ, **(env or {}))
         environ.pop("MLX_LM_MLA_DISABLE", None)
@@ -53,7 +57,9 @@ class Server:
         cmd = [sys.executable, "-m", *server, "--model", str(model_path)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
         self.log = open(log or os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT
+        )
         self._wait()
 
     def _wait(self, timeout=60):
@@ -62,7 +68,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
+                urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.port}/v1/models", timeout=2
+                )
                 return
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.2)
@@ -85,7 +93,10 @@ class Server:
     def abandon_stream(self, user, max_tokens, after_bytes):
         """Starts a streamed request and hangs up after reading a little."""
         body = {
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": user},
+            ],
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
@@ -96,7 +107,10 @@ class Server:
         """One /v1/chat/completions request. Returns (text, usage) or raises
         RequestFailed with what the server said."""
         body = {
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": user},
+            ],
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": stream,
@@ -169,7 +183,10 @@ def cached_tokens(usage):
 
 def questions(n):
     """Distinct user turns after the shared system prompt."""
-    return [f"Question {i}: what does function f{i * 7 % 13}(x) return for x = {i}?" for i in range(n)]
+    return [
+        f"Question {i}: what does function f{i * 7 % 13}(x) return for x = {i}?"
+        for i in range(n)
+    ]
 
 
 def raw_post(port, path, data, timeout=120, limit=None):
@@ -235,7 +252,10 @@ class Stream(threading.Thread):
 
     def run(self):
         body = {
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.user}],
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": self.user},
+            ],
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -266,11 +286,19 @@ def served_as_fresh(server, prompts):
     not. An unseeded sampled answer is random, so it counts as "served"."""
     out = []
     for i, (extra, stream) in enumerate(
-        [({}, False), ({}, True), ({"temperature": 0.8}, False), ({"temperature": 0.8}, True),
-         ({"temperature": 0.8, "seed": 7}, False), ({"temperature": 0.8, "seed": 7}, True)]
+        [
+            ({}, False),
+            ({}, True),
+            ({"temperature": 0.8}, False),
+            ({"temperature": 0.8}, True),
+            ({"temperature": 0.8, "seed": 7}, False),
+            ({"temperature": 0.8, "seed": 7}, True),
+        ]
     ):
         try:
-            text, _ = server.chat(prompts[i % len(prompts)], max_tokens=16, stream=stream, **extra)
+            text, _ = server.chat(
+                prompts[i % len(prompts)], max_tokens=16, stream=stream, **extra
+            )
         except RequestFailed as e:
             out.append(f"failed: {e}")
             continue

@@ -12,13 +12,23 @@ from mlx_lm_mla import quantize_latent
 
 from conftest import latent_kv, rows
 
-INT_DTYPES = [mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64]
-INDEX_FORMS = (
-    [("list", list), ("tuple", tuple)]
-    + [(f"array-{str(d).rsplit('.', 1)[-1]}", lambda x, d=d: mx.array(x, dtype=d)) for d in INT_DTYPES]
-)
+INT_DTYPES = [
+    mx.int8,
+    mx.int16,
+    mx.int32,
+    mx.int64,
+    mx.uint8,
+    mx.uint16,
+    mx.uint32,
+    mx.uint64,
+]
+INDEX_FORMS = [("list", list), ("tuple", tuple)] + [
+    (f"array-{str(d).rsplit('.', 1)[-1]}", lambda x, d=d: mx.array(x, dtype=d))
+    for d in INT_DTYPES
+]
 COUNT_FORMS = [("int", int)] + [
-    (f"0d-{str(d).rsplit('.', 1)[-1]}", lambda x, d=d: mx.array(x, dtype=d)) for d in INT_DTYPES
+    (f"0d-{str(d).rsplit('.', 1)[-1]}", lambda x, d=d: mx.array(x, dtype=d))
+    for d in INT_DTYPES
 ]
 
 
@@ -70,10 +80,15 @@ def test_make_mask_takes_every_count_form(kind, name, form, installed):
 @pytest.mark.parametrize("name,form", INDEX_FORMS, ids=[n for n, _ in INDEX_FORMS])
 def test_prepare_takes_every_index_form(name, form, installed):
     batch = quantize_latent(BatchKVCache([0, 0]), like=quantized_batch())
-    batch.prepare(left_padding=form([1, 0]), lengths=form([2, 4]), right_padding=form([1, 0]))
+    batch.prepare(
+        left_padding=form([1, 0]), lengths=form([2, 4]), right_padding=form([1, 0])
+    )
     batch.update_and_fetch(*rows(4, B=2))
     batch.finalize()
-    assert batch.offset.tolist() == [2, 4]  # 4 written, less 1 left and 1 right of padding
+    assert batch.offset.tolist() == [
+        2,
+        4,
+    ]  # 4 written, less 1 left and 1 right of padding
 
 
 @pytest.mark.parametrize("name,form", COUNT_FORMS, ids=[n for n, _ in COUNT_FORMS])
@@ -90,7 +105,9 @@ def test_merge_takes_a_list_or_a_tuple(container, installed):
     assert KVCache.merge(caches).offset.tolist() == [3, 6]
 
 
-@pytest.mark.parametrize("name,form", INDEX_FORMS[2:], ids=[n for n, _ in INDEX_FORMS[2:]])
+@pytest.mark.parametrize(
+    "name,form", INDEX_FORMS[2:], ids=[n for n, _ in INDEX_FORMS[2:]]
+)
 def test_a_stock_latent_batch_takes_array_filters(name, form, installed):
     # what LM Studio's BatchGenerator passes: cache.filter(mx.array(keep_idx))
     batch = BatchKVCache.merge([latent_kv(n, seed=n) for n in (3, 7, 5)])

@@ -12,9 +12,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm_mla import QuantizedLatentCache
 from mlx_lm_mla import tiny
 
-PROMPTS = [
-    [(3 * i + 5) % 190 + 5 for i in range(n)] for n in (5, 17, 9, 12)
-]
+PROMPTS = [[(3 * i + 5) % 190 + 5 for i in range(n)] for n in (5, 17, 9, 12)]
 
 
 def alone(model, prompt, n):
@@ -51,7 +49,9 @@ def test_batch_generator_matches_each_sequence_alone(model_type, installed):
     held = [0, 11, 0, 4]
     caches = [cached(model, p, n) for p, n in zip(PROMPTS, held)]
     rests = [p[n:] for p, n in zip(PROMPTS, held)]
-    gen = BatchGenerator(model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4)
+    gen = BatchGenerator(
+        model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4
+    )
     uids = gen.insert(rests, [8] * 4, caches=caches)
     assert drain(gen, uids)[0] == expected
 
@@ -65,18 +65,31 @@ def test_a_batch_of_mla_caches_is_the_stock_batch_cache(installed):
     assert type(merged.extract(1)) is KVCache
 
 
-def test_exact_and_quantized_prompt_caches_batch_together_each_at_its_own_precision(installed):
+def test_exact_and_quantized_prompt_caches_batch_together_each_at_its_own_precision(
+    installed,
+):
     model, _ = tiny.build_model("glm4_moe_lite")
     caches = [cached(model, p, 4) for p in PROMPTS[:2]]
     for c in caches[1]:
         c.to_quantized(group_size=32, bits=8)
     quantized_alone = [
-        t for t, _ in generate_step(mx.array(PROMPTS[1][4:]), model, max_tokens=6, prompt_cache=copy.deepcopy(caches[1]))
+        t
+        for t, _ in generate_step(
+            mx.array(PROMPTS[1][4:]),
+            model,
+            max_tokens=6,
+            prompt_cache=copy.deepcopy(caches[1]),
+        )
     ]
-    gen = BatchGenerator(model, max_tokens=6, completion_batch_size=2, prefill_batch_size=2)
+    gen = BatchGenerator(
+        model, max_tokens=6, completion_batch_size=2, prefill_batch_size=2
+    )
     uids = gen.insert([p[4:] for p in PROMPTS[:2]], [6, 6], caches=caches)
     got, handed_back = drain(gen, uids)
-    assert [{type(c) for c in row} for row in handed_back] == [{KVCache}, {QuantizedLatentCache}]
+    assert [{type(c) for c in row} for row in handed_back] == [
+        {KVCache},
+        {QuantizedLatentCache},
+    ]
     assert got == [alone(model, PROMPTS[0], 6), quantized_alone]
 
 
@@ -88,7 +101,11 @@ def test_batch_generate_with_prompt_caches(installed, tmp_path):
     expected = [tokenizer.decode(alone(model, p, 6)) for p in PROMPTS[:2]]
     # batch_generate stops at EOS; compare with what alone produced up to it
     out = batch_generate(
-        model, tokenizer, [p[3:] for p in PROMPTS[:2]], prompt_caches=caches, max_tokens=6
+        model,
+        tokenizer,
+        [p[3:] for p in PROMPTS[:2]],
+        prompt_caches=caches,
+        max_tokens=6,
     )
     assert all(t and e.startswith(t) for e, t in zip(expected, out.texts))
 
@@ -100,7 +117,9 @@ def batchable_with_kv_bits(model, bits=4, start=12):
     from mlx_lm_mla.patches.server import batchable_with_kv_bits
 
     server = SimpleNamespace(
-        cli_args=SimpleNamespace(kv_bits=bits, kv_group_size=64, quantized_kv_start=start),
+        cli_args=SimpleNamespace(
+            kv_bits=bits, kv_group_size=64, quantized_kv_start=start
+        ),
         model_provider=SimpleNamespace(model=model, is_batchable=True),
     )
     refuse = lambda self, args: False  # upstream refuses to batch with kv_bits
@@ -139,13 +158,20 @@ def test_a_batch_served_with_kv_bits_quantizes_each_row_once_it_crosses(installe
         [
             t
             for t, _ in generate_step(
-                mx.array(p), model, max_tokens=8, kv_bits=8, kv_group_size=64,
-                quantized_kv_start=12, prompt_cache=make_prompt_cache(model),
+                mx.array(p),
+                model,
+                max_tokens=8,
+                kv_bits=8,
+                kv_group_size=64,
+                quantized_kv_start=12,
+                prompt_cache=make_prompt_cache(model),
             )
         ]
         for p in PROMPTS
     ]
-    gen = BatchGenerator(model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4)
+    gen = BatchGenerator(
+        model, max_tokens=8, completion_batch_size=4, prefill_batch_size=4
+    )
     with serving_kv_bits(bits=8, start=12):
         got, handed_back = drain(gen, gen.insert(PROMPTS, [8] * 4))
     # every row crossed 12 tokens, so every cache handed back is quantized

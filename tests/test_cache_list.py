@@ -23,7 +23,11 @@ from mlx_lm_mla.patches import mlx_lm_version
 from serving import Server, cached_tokens, four_clients, questions, server_supports
 from test_batching import drain, serving_kv_bits
 
-TYPES = [t for t in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram") if t in tiny.MLA_MODEL_TYPES]
+TYPES = [
+    t
+    for t in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram")
+    if t in tiny.MLA_MODEL_TYPES
+]
 DSA = [t for t in ("deepseek_v32", "glm_moe_dsa") if t in TYPES]
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(60)]
 # mlx-lm 0.31's DSA indexer stores an empty values array, which mlx cannot
@@ -37,7 +41,12 @@ def lists(cache):
 
 def generate(model, cache, prompt, bits=4, n=6):
     steps = generate_step(
-        mx.array(prompt), model, prompt_cache=cache, max_tokens=n, kv_bits=bits, quantized_kv_start=16
+        mx.array(prompt),
+        model,
+        prompt_cache=cache,
+        max_tokens=n,
+        kv_bits=bits,
+        quantized_kv_start=16,
     )
     return [t for t, _ in steps]
 
@@ -55,13 +64,17 @@ def test_kv_bits_quantize_the_latent_in_place(model_type, installed):
     cache = make_prompt_cache(model)
     members = [m for c in lists(cache) for m in c.caches]
     generate(model, cache, PROMPT)
-    latent = [c.caches[0] for c in lists(cache)] + ([] if model_type in DSA else [c.caches[1] for c in lists(cache)])
+    latent = [c.caches[0] for c in lists(cache)] + (
+        [] if model_type in DSA else [c.caches[1] for c in lists(cache)]
+    )
     assert all(type(m) is QuantizedLatentCache and m.latent_bits == 4 for m in latent)
     assert [m for c in lists(cache) for m in c.caches] == members  # the same objects
 
 
 @pytest.mark.parametrize("model_type", TYPES)
-def test_a_quantized_cache_list_holds_well_under_its_unquantized_bytes(model_type, installed):
+def test_a_quantized_cache_list_holds_well_under_its_unquantized_bytes(
+    model_type, installed
+):
     exact = sum(c.nbytes for c in run(model_type, None)[1])
     quantized = sum(c.nbytes for c in run(model_type, 4)[1])
     assert quantized < 0.7 * exact
@@ -69,7 +82,9 @@ def test_a_quantized_cache_list_holds_well_under_its_unquantized_bytes(model_typ
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_stock_never_quantizes_a_cache_list(model_type, stock):
-    assert sum(c.nbytes for c in run(model_type, 4)[1]) == sum(c.nbytes for c in run(model_type, None)[1])
+    assert sum(c.nbytes for c in run(model_type, 4)[1]) == sum(
+        c.nbytes for c in run(model_type, None)[1]
+    )
 
 
 @pytest.mark.parametrize("model_type", DSA)
@@ -102,13 +117,19 @@ def test_a_reused_cache_serves_later_requests_with_trims(model_type, installed):
 
 
 @pytest.mark.parametrize("model_type", TYPES)
-def test_a_saved_quantized_cache_list_continues_exactly(model_type, installed, tmp_path):
+def test_a_saved_quantized_cache_list_continues_exactly(
+    model_type, installed, tmp_path
+):
     model, cache = run(model_type, 4)
     path = str(tmp_path / "cache.safetensors")
     save_prompt_cache(path, cache)
-    assert any(CHECKSUM in k for k in mx.load(path, return_metadata=True)[1])  # checksummed: it holds a latent
+    assert any(
+        CHECKSUM in k for k in mx.load(path, return_metadata=True)[1]
+    )  # checksummed: it holds a latent
     loaded = cache_module.load_prompt_cache(path)
-    assert [type(m) for c in lists(loaded) for m in c.caches] == [type(m) for c in lists(cache) for m in c.caches]
+    assert [type(m) for c in lists(loaded) for m in c.caches] == [
+        type(m) for c in lists(cache) for m in c.caches
+    ]
     assert generate(model, loaded, [7, 8, 9]) == generate(model, cache, [7, 8, 9])
 
 
@@ -124,11 +145,17 @@ if not STOCK_SAVES_DSA:
 @pytest.mark.parametrize("model_type", TYPES)
 def test_a_batch_under_kv_bits_quantizes_its_latent(model_type, installed):
     model = tiny.build_model(model_type)[0]
-    gen = BatchGenerator(model, max_tokens=8, completion_batch_size=3, prefill_batch_size=3)
+    gen = BatchGenerator(
+        model, max_tokens=8, completion_batch_size=3, prefill_batch_size=3
+    )
     with serving_kv_bits(bits=4, start=16):
-        got, caches = drain(gen, gen.insert([PROMPT[:30], PROMPT[5:25], PROMPT[:40]], [3, 8, 5]))
+        got, caches = drain(
+            gen, gen.insert([PROMPT[:30], PROMPT[5:25], PROMPT[:40]], [3, 8, 5])
+        )
     assert [len(t) for t in got] == [3, 8, 5]
-    assert all(type(c.caches[0]) is QuantizedLatentCache for row in caches for c in lists(row))
+    assert all(
+        type(c.caches[0]) is QuantizedLatentCache for row in caches for c in lists(row)
+    )
 
 
 def test_a_cache_list_without_a_latent_is_never_quantized(installed):
@@ -143,7 +170,9 @@ if server_supports("--kv-bits"):  # mlx-lm 0.31.2's server has no --kv-bits
 
     def test_a_dsa_model_is_served_with_kv_bits_and_continuous_batching(tmp_path):
         path = tiny.save_model(tmp_path / "dsv32", "deepseek_v32", quantize_bits=6)
-        with Server(path, "--decode-concurrency", 4, "--kv-bits", 4, "--quantized-kv-start", 32) as server:
+        with Server(
+            path, "--decode-concurrency", 4, "--kv-bits", 4, "--quantized-kv-start", 32
+        ) as server:
             served, errors = four_clients(server, per_client=3, max_tokens=40)
             text, usage = server.chat(questions(1)[0], max_tokens=40)
         assert errors == [] and len(served) == 12

@@ -61,7 +61,9 @@ def test_requantizing_with_the_same_settings_is_a_no_op(installed):
 
 def test_requantizing_with_other_settings_is_refused(installed):
     cache = latent_kv(4).to_quantized(64, 8)
-    with pytest.raises(ValueError, match="quantized with group_size 64 and 8 bits; refusing"):
+    with pytest.raises(
+        ValueError, match="quantized with group_size 64 and 8 bits; refusing"
+    ):
         cache.to_quantized(32, 4)
 
 
@@ -74,14 +76,18 @@ def test_other_dtypes_are_cast_like_kvcache(installed):
 def test_another_width_is_refused_by_name(installed):
     cache = latent_kv(4).to_quantized(64, 8)
     wide = mx.zeros((1, 1, 1, 2 * LATENT)), mx.zeros((1, 1, 1, ROPE))
-    with pytest.raises(ValueError, match="latent of width 128 .* holds widths 64 and 16"):
+    with pytest.raises(
+        ValueError, match="latent of width 128 .* holds widths 64 and 16"
+    ):
         cache.update_and_fetch(*wide)
 
 
 def test_a_latent_width_that_groups_do_not_divide_is_refused(installed):
     cache = KVCache()
     cache.update_and_fetch(mx.zeros((1, 1, 2, 48)), mx.zeros((1, 1, 2, ROPE)))
-    with pytest.raises(ValueError, match=r"no MLA latent in groups of 32: keys \(1, 1, 256, 48\)"):
+    with pytest.raises(
+        ValueError, match=r"no MLA latent in groups of 32: keys \(1, 1, 256, 48\)"
+    ):
         cache.to_quantized(32, 4)
 
 
@@ -198,7 +204,11 @@ def test_rows_that_join_a_quantized_batch_stay_exact(installed):
     batch = batch_of([4, 6], bits=8)
     batch.extend(batch_of([9]))
     assert type(batch) is BatchMixedLatentCache
-    assert batch.offset.tolist() == [4, 6, 9] and batch.quantized.tolist() == [True, True, False]
+    assert batch.offset.tolist() == [4, 6, 9] and batch.quantized.tolist() == [
+        True,
+        True,
+        False,
+    ]
 
 
 def test_a_plain_batch_that_takes_quantized_rows_keeps_its_own_rows_exact(installed):
@@ -210,7 +220,9 @@ def test_a_plain_batch_that_takes_quantized_rows_keeps_its_own_rows_exact(instal
     latent, _ = batch.update_and_fetch(*update)
     exact, _ = plain.update_and_fetch(*(x[:2] for x in update))
     assert latent.shape == (3, 1, 10, LATENT)
-    assert mx.array_equal(latent[:2, :, -5:], exact[:, :, -5:])  # the exact rows' own tokens, exact
+    assert mx.array_equal(
+        latent[:2, :, -5:], exact[:, :, -5:]
+    )  # the exact rows' own tokens, exact
 
 
 def test_a_row_of_a_mixed_batch_reads_what_it_reads_alone(installed):
@@ -223,7 +235,9 @@ def test_a_row_of_a_mixed_batch_reads_what_it_reads_alone(installed):
     got, _ = mixed.update_and_fetch(*(mx.concatenate([x, y]) for x, y in zip(a, b)))
     alone_q, _ = quantized_alone.update_and_fetch(*a)
     alone_e, _ = exact_alone.update_and_fetch(*b)
-    assert mx.array_equal(got[0], alone_q[0]) and mx.array_equal(got[1, :, 2:], alone_e[0])
+    assert mx.array_equal(got[0], alone_q[0]) and mx.array_equal(
+        got[1, :, 2:], alone_e[0]
+    )
 
 
 def test_a_mixed_batch_becomes_quantized_once_every_row_is(installed):
@@ -231,9 +245,17 @@ def test_a_mixed_batch_becomes_quantized_once_every_row_is(installed):
 
     batch = batch_of([4, 6, 9])
     quantize_rows(batch, [2], 64, 8)
-    assert type(batch) is BatchMixedLatentCache and batch.quantized.tolist() == [False, False, True]
+    assert type(batch) is BatchMixedLatentCache and batch.quantized.tolist() == [
+        False,
+        False,
+        True,
+    ]
     quantize_rows(batch, [0, 1], 64, 8)
-    assert type(batch) is BatchQuantizedLatentCache and batch.offset.tolist() == [4, 6, 9]
+    assert type(batch) is BatchQuantizedLatentCache and batch.offset.tolist() == [
+        4,
+        6,
+        9,
+    ]
 
 
 def test_a_mixed_batch_whose_quantized_rows_leave_is_plain_again(installed):
@@ -278,4 +300,8 @@ if _stock_empty_batch_rebuilds():  # defined where stock's empty batch rebuilds
         empty = BatchQuantizedLatentCache([0, 0])  # rows, no tokens yet
         empty._set_format(*fmt)
         again = rebuilt(empty)
-        assert type(again) is BatchQuantizedLatentCache and again.empty() and again._format == fmt
+        assert (
+            type(again) is BatchQuantizedLatentCache
+            and again.empty()
+            and again._format == fmt
+        )

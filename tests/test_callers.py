@@ -50,7 +50,9 @@ def test_sequential_replay_gives_stocks_tokens_and_classes(window, bits, model, 
 
 
 @pytest.mark.parametrize("window,bits", SETTINGS[2:], ids=IDS[2:])
-def test_sequential_replay_with_kv_bits_quantizes_the_live_cache(window, bits, model, installed):
+def test_sequential_replay_with_kv_bits_quantizes_the_live_cache(
+    window, bits, model, installed
+):
     engine = SequentialEngine(model, window, bits)
     live = list(engine.cache)
     engine.request(chat(1)[0])
@@ -66,7 +68,9 @@ def test_sequential_replay_with_kv_bits_quantizes_the_live_cache(window, bits, m
 
 @pytest.mark.parametrize("window,bits", SETTINGS[2:], ids=IDS[2:])
 def test_stock_fails_the_sequential_replay_with_kv_bits(window, bits, model, stock):
-    with pytest.raises((AttributeError, NotImplementedError), match="swapaxes|Quantization NYI"):
+    with pytest.raises(
+        (AttributeError, NotImplementedError), match="swapaxes|Quantization NYI"
+    ):
         replay(model, window, bits)
 
 
@@ -94,13 +98,21 @@ def array_filters(monkeypatch):
 def batched(model, window, lengths=(3, 9, 5, 12)):
     prompts = [chat(3)[i % 3][: 20 + 3 * i] for i in range(4)]
     gen = BatchGenerator(
-        model, max_tokens=12, completion_batch_size=4, prefill_batch_size=4, max_kv_size=window
+        model,
+        max_tokens=12,
+        completion_batch_size=4,
+        prefill_batch_size=4,
+        max_kv_size=window,
     )
-    return drain(gen, gen.insert(prompts, list(lengths)))  # rows finish at different steps
+    return drain(
+        gen, gen.insert(prompts, list(lengths))
+    )  # rows finish at different steps
 
 
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["plain", "window"])
-def test_batched_replay_with_array_filters_gives_stocks_tokens(window, model, array_filters, stock):
+def test_batched_replay_with_array_filters_gives_stocks_tokens(
+    window, model, array_filters, stock
+):
     expected, stock_caches = batched(model, window)
     mlx_lm_mla.install()
     got, caches = batched(model, window)
@@ -115,7 +127,9 @@ def test_batched_replay_with_kv_bits_and_array_filters(model, array_filters, ins
     assert all(c.latent_bits == 4 for row in caches for c in row)
 
 
-def test_a_batched_window_with_kv_bits_stays_exact_and_bounded(model, array_filters, stock):
+def test_a_batched_window_with_kv_bits_stays_exact_and_bounded(
+    model, array_filters, stock
+):
     # The engines drop the window under kv_bits; a batched window never
     # quantizes (see the README's limits), and gives stock's tokens.
     expected, _ = batched(model, WINDOW)
@@ -123,7 +137,9 @@ def test_a_batched_window_with_kv_bits_stays_exact_and_bounded(model, array_filt
     with serving_kv_bits(bits=4, start=16):
         got, caches = batched(model, WINDOW)
     assert got == expected
-    assert all(type(c) is RotatingKVCache and c.keys.shape[2] <= WINDOW for c in caches[3])
+    assert all(
+        type(c) is RotatingKVCache and c.keys.shape[2] <= WINDOW for c in caches[3]
+    )
 
 
 # --- the disk prompt cache, by class name ------------------------------------

@@ -15,8 +15,14 @@ from mlx_lm_mla.mla import leaves
 
 MODELS = {
     "glm-widths": ("glm4_moe_lite", {"kv_lora_rank": 128, "qk_rope_head_dim": 64}),
-    "square": ("glm4_moe_lite", {"kv_lora_rank": 64, "qk_rope_head_dim": 64}),  # latent as wide as its RoPE key
-    "deepseek_v32": ("deepseek_v32", {}),  # a CacheList; mlx-lm 0.31's indexer holds an empty array
+    "square": (
+        "glm4_moe_lite",
+        {"kv_lora_rank": 64, "qk_rope_head_dim": 64},
+    ),  # latent as wide as its RoPE key
+    "deepseek_v32": (
+        "deepseek_v32",
+        {},
+    ),  # a CacheList; mlx-lm 0.31's indexer holds an empty array
 }
 GLM = ["glm-widths", "square"]
 PROMPT = "Tell me about the weather in a small mountain village in winter."
@@ -33,8 +39,18 @@ def mlx_lm(*args, disabled=False):
 
 def cache_prompt(model, path, disabled=False):
     return mlx_lm(
-        "cache_prompt", "--model", model, "--prompt", PROMPT, "--prompt-cache-file", path,
-        "--kv-bits", 4, "--quantized-kv-start", 8, disabled=disabled,
+        "cache_prompt",
+        "--model",
+        model,
+        "--prompt",
+        PROMPT,
+        "--prompt-cache-file",
+        path,
+        "--kv-bits",
+        4,
+        "--quantized-kv-start",
+        8,
+        disabled=disabled,
     )
 
 
@@ -73,13 +89,26 @@ def test_cache_prompt_with_kv_bits_saves_a_quantized_latent(saved_prompt, instal
     assert out.returncode == 0, out.stderr
     cache = cache_module.load_prompt_cache(str(path))  # as patched now
     latent = [m for c in cache for m in leaves([c]) if type(m) is QuantizedLatentCache]
-    assert len(latent) == len(cache) and all(m.latent_bits == 4 and m.offset > 8 for m in latent)
+    assert len(latent) == len(cache) and all(
+        m.latent_bits == 4 and m.offset > 8 for m in latent
+    )
 
 
 def continue_from(model, path, bits):
     return mlx_lm(
-        "generate", "--model", model, "--prompt-cache-file", path, "--prompt", " And in summer?",
-        "--max-tokens", 8, "--kv-bits", bits, "--verbose", "True",
+        "generate",
+        "--model",
+        model,
+        "--prompt-cache-file",
+        path,
+        "--prompt",
+        " And in summer?",
+        "--max-tokens",
+        8,
+        "--kv-bits",
+        bits,
+        "--verbose",
+        "True",
     )
 
 
@@ -92,9 +121,15 @@ def test_generate_continues_from_a_saved_quantized_latent(model, saved_prompt):
 def test_generate_refuses_other_bits_than_the_saved_cache_by_name(model, saved_prompt):
     out = continue_from(model, saved_prompt[0], 8)
     assert out.returncode != 0
-    assert "quantized with group_size 64 and 4 bits; kv_bits 8 with kv_group_size 64 was asked for" in out.stderr
+    assert (
+        "quantized with group_size 64 and 4 bits; kv_bits 8 with kv_group_size 64 was asked for"
+        in out.stderr
+    )
 
 
 def test_stock_cache_prompt_with_kv_bits_fails(glm_model, tmp_path):
     out = cache_prompt(glm_model, tmp_path / "prompt.safetensors", disabled=True)
-    assert out.returncode != 0 and "'list' object has no attribute 'swapaxes'" in out.stderr
+    assert (
+        out.returncode != 0
+        and "'list' object has no attribute 'swapaxes'" in out.stderr
+    )

@@ -10,7 +10,10 @@ from mlx_lm_mla.__main__ import COMMANDS
 
 def run(*args):
     return subprocess.run(
-        [sys.executable, "-m", "mlx_lm_mla", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "mlx_lm_mla", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

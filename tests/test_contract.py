@@ -310,5 +310,7 @@ def test_a_tiny_model_needs_the_names_it_reads_and_names_what_is_gone(monkeypatc
     from mlx_lm_mla import tiny
 
     monkeypatch.setattr(mlx_lm.utils, "_get_classes", lambda model_config: None)
-    with pytest.raises(RuntimeError, match=r"mlx_lm\.utils\._get_classes: takes \(model_config\)"):
+    with pytest.raises(
+        RuntimeError, match=r"mlx_lm\.utils\._get_classes: takes \(model_config\)"
+    ):
         tiny.build_model("glm4_moe_lite")

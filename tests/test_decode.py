@@ -25,7 +25,9 @@ def decode_logits(model, bits=None, dtype_cache=None):
     cache = make_prompt_cache(model)
     model(mx.array([TOKENS[:PREFILL]]), cache=cache)
     if bits:
-        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits)
+        maybe_quantize_kv_cache(
+            cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
+        )
     steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[PREFILL:]]
     return mx.concatenate(steps, axis=1)
 
@@ -65,8 +67,12 @@ def test_decode_steps_give_stocks_logits(model_type, installed, small_chunks, ca
     assert calls and mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
 
 
-def test_bfloat16_decode_steps_give_stocks_logits_within_rounding(installed, small_chunks):
-    model, _ = tiny.build_model("glm4_moe_lite", dtype=mx.bfloat16, first_k_dense_replace=99)
+def test_bfloat16_decode_steps_give_stocks_logits_within_rounding(
+    installed, small_chunks
+):
+    model, _ = tiny.build_model(
+        "glm4_moe_lite", dtype=mx.bfloat16, first_k_dense_replace=99
+    )
     expected = stock_logits(model).astype(mx.float32)
     got = decode_logits(model).astype(mx.float32)
     # bfloat16 keeps 8 significant bits: two roundings of the largest logit.
@@ -76,7 +82,9 @@ def test_bfloat16_decode_steps_give_stocks_logits_within_rounding(installed, sma
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_latent_is_read_from_its_bytes(model_type, bits, installed, small_chunks, calls, monkeypatch):
+def test_a_quantized_latent_is_read_from_its_bytes(
+    model_type, bits, installed, small_chunks, calls, monkeypatch
+):
     model, _ = tiny.build_model(model_type)
     got = decode_logits(model, bits)
     # DSA models gather the positions they attend: those are read as handed.
@@ -96,8 +104,13 @@ def test_a_batch_with_left_padding_decodes_as_stock(installed, small_chunks, cal
             c = make_prompt_cache(model)
             model(mx.array([p]), cache=c)
             caches.append(c)
-        batch = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))]
-        return mx.concatenate([model(mx.array([[t], [t + 1]]), cache=batch) for t in TOKENS[100:110]], axis=1)
+        batch = [
+            BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))
+        ]
+        return mx.concatenate(
+            [model(mx.array([[t], [t + 1]]), cache=batch) for t in TOKENS[100:110]],
+            axis=1,
+        )
 
     mlx_lm_mla.uninstall()
     expected = batch_logits()
@@ -117,29 +130,43 @@ def test_models_without_mla_attention_keep_stocks_attention(installed):
     for model_type in tiny.FULL_KV_MODEL_TYPES + ("llama", "qwen2"):
         module = importlib.import_module(f"mlx_lm.models.{model_type}")
         if hasattr(module, "scaled_dot_product_attention"):
-            assert module.scaled_dot_product_attention is base.scaled_dot_product_attention, model_type
+            assert (
+                module.scaled_dot_product_attention is base.scaled_dot_product_attention
+            ), model_type
 
 
 def test_uninstall_restores_each_modules_attention(installed):
     base = importlib.import_module("mlx_lm.models.base")
     modules = {importlib.import_module(c.__module__) for c in mla.ATTENTION}
-    assert all(m.scaled_dot_product_attention is not base.scaled_dot_product_attention for m in modules)
+    assert all(
+        m.scaled_dot_product_attention is not base.scaled_dot_product_attention
+        for m in modules
+    )
     mlx_lm_mla.uninstall()
-    assert all(m.scaled_dot_product_attention is base.scaled_dot_product_attention for m in modules)
+    assert all(
+        m.scaled_dot_product_attention is base.scaled_dot_product_attention
+        for m in modules
+    )
 
 
 def test_a_quantized_decode_step_holds_a_few_chunks_not_the_latent(installed):
     # One layer at the real widths: a 64K-position latent is 64 MiB in bf16.
     cache, n = KVCache(), 1 << 16
     for _ in range(n // 4096):
-        cache.update_and_fetch(mx.random.normal((1, 1, 4096, 512)).astype(mx.bfloat16),
-                               mx.random.normal((1, 1, 4096, 64)).astype(mx.bfloat16))
+        cache.update_and_fetch(
+            mx.random.normal((1, 1, 4096, 512)).astype(mx.bfloat16),
+            mx.random.normal((1, 1, 4096, 64)).astype(mx.bfloat16),
+        )
     cache.to_quantized(group_size=64, bits=4)
-    latent, rope = cache.update_and_fetch(mx.zeros((1, 1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 1, 64), mx.bfloat16))
+    latent, rope = cache.update_and_fetch(
+        mx.zeros((1, 1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 1, 64), mx.bfloat16)
+    )
     q = mx.random.normal((1, 20, 1, 512)).astype(mx.bfloat16)
     pe = mx.random.normal((1, 20, 1, n + 1)).astype(mx.bfloat16)
     mx.eval(cache.state, q, pe)
-    sdpa = importlib.import_module("mlx_lm.models.glm4_moe_lite").scaled_dot_product_attention
+    sdpa = importlib.import_module(
+        "mlx_lm.models.glm4_moe_lite"
+    ).scaled_dot_product_attention
     mx.synchronize()
     held = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -151,7 +178,9 @@ def test_a_quantized_decode_step_holds_a_few_chunks_not_the_latent(installed):
 def test_the_source_says_whether_an_attention_calls_a_function_by_name():
     class Calls:
         def __call__(self, q, k, v, cache=None):
-            return scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=None)  # noqa: F821
+            return scaled_dot_product_attention(
+                q, k, v, cache=cache, scale=1.0, mask=None
+            )  # noqa: F821
 
     class CallsOther:
         def __call__(self, q, k, v, cache=None):
@@ -161,16 +190,31 @@ def test_the_source_says_whether_an_attention_calls_a_function_by_name():
     assert not mla.calls(CallsOther, "scaled_dot_product_attention")
 
 
-def test_an_attention_that_no_longer_calls_it_is_named_and_its_decode_is_off(stock, monkeypatch):
+def test_an_attention_that_no_longer_calls_it_is_named_and_its_decode_is_off(
+    stock, monkeypatch
+):
     glm = importlib.import_module("mlx_lm.models.glm4_moe_lite")
     original = glm.scaled_dot_product_attention
     calls_ = mla.calls
-    monkeypatch.setattr(mla, "calls", lambda cls, name: cls.__module__ != glm.__name__ and calls_(cls, name))
+    monkeypatch.setattr(
+        mla,
+        "calls",
+        lambda cls, name: cls.__module__ != glm.__name__ and calls_(cls, name),
+    )
     monkeypatch.setattr(patches, "_warned_missing", set())
-    with pytest.warns(RuntimeWarning, match="switched off: MLA decode attention reading the latent once"):
+    with pytest.warns(
+        RuntimeWarning,
+        match="switched off: MLA decode attention reading the latent once",
+    ):
         mlx_lm_mla.install()
-    assert "mlx_lm.models.glm4_moe_lite.scaled_dot_product_attention (called by its MLA attention)" in patches.missing()
+    assert (
+        "mlx_lm.models.glm4_moe_lite.scaled_dot_product_attention (called by its MLA attention)"
+        in patches.missing()
+    )
     assert glm.scaled_dot_product_attention is original
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert "mlx_lm.models.deepseek_v3.scaled_dot_product_attention" in mlx_lm_mla.installed()
+        assert (
+            "mlx_lm.models.deepseek_v3.scaled_dot_product_attention"
+            in mlx_lm_mla.installed()
+        )

@@ -9,7 +9,14 @@ import time
 
 import pytest
 
-from serving import RequestFailed, Server, questions, save_served_model, served_as_fresh, server_supports
+from serving import (
+    RequestFailed,
+    Server,
+    questions,
+    save_served_model,
+    served_as_fresh,
+    server_supports,
+)
 
 BATCHED = ["--decode-concurrency", 4]
 QUANTIZED = ["--kv-bits", 4, "--quantized-kv-start", 64]
@@ -74,10 +81,17 @@ def pairs_until_a_failure(server, **extra):
 
 
 @pytest.mark.parametrize("point,flags", POINTS, ids=[p for p, _ in POINTS])
-def test_a_fault_fails_one_request_and_the_next_are_served_as_on_a_fresh_server(point, flags, model_path, expected):
+def test_a_fault_fails_one_request_and_the_next_are_served_as_on_a_fresh_server(
+    point, flags, model_path, expected
+):
     with Server(model_path, *flags, faults=f"{point}:1") as server:
         # A request's own sampler (greedy is one shared sampler for all rows).
-        failures = pairs_until_a_failure(server, **({"temperature": 0.8} if point == "sample" else {}))
-        after = [server.chat(q, max_tokens=24)[0] for q in CHECKS], served_as_fresh(server, CHECKS)
+        failures = pairs_until_a_failure(
+            server, **({"temperature": 0.8} if point == "sample" else {})
+        )
+        after = (
+            [server.chat(q, max_tokens=24)[0] for q in CHECKS],
+            served_as_fresh(server, CHECKS),
+        )
     assert failures and all("InjectedFault" in f for f in failures), failures
     assert after == expected[tuple(flags)]

@@ -23,7 +23,9 @@ GROUP = 64
 
 
 def rounded(x, bits):
-    return mx.dequantize(*mx.quantize(x, group_size=GROUP, bits=bits), group_size=GROUP, bits=bits)
+    return mx.dequantize(
+        *mx.quantize(x, group_size=GROUP, bits=bits), group_size=GROUP, bits=bits
+    )
 
 
 class RoundedLatent(KVCache):
@@ -51,8 +53,12 @@ def decode_logits(model, bits, prefill=48, end=96, reference=None):
     if reference:
         round_in_place(cache, bits, reference)
     else:
-        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=GROUP, kv_bits=bits)
-    logits = mx.concatenate([model(mx.array([[t]]), cache=cache) for t in TOKENS[prefill:end]], axis=1)
+        maybe_quantize_kv_cache(
+            cache, quantized_kv_start=0, kv_group_size=GROUP, kv_bits=bits
+        )
+    logits = mx.concatenate(
+        [model(mx.array([[t]]), cache=cache) for t in TOKENS[prefill:end]], axis=1
+    )
     return logits, cache
 
 
@@ -68,15 +74,21 @@ def kv_lora_rank(config):
 # --- every MLA model: the error is the rounding's alone ----------------------
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_latent_gives_the_logits_of_its_rounded_values(model_type, bits, installed):
+def test_a_quantized_latent_gives_the_logits_of_its_rounded_values(
+    model_type, bits, installed
+):
     # The tiny models as configured, MoE layers, indexers and linear layers too.
     model, config = tiny.build_model(model_type)
     width = kv_lora_rank(config)
     logits, cache = decode_logits(model, bits)
     reference, rounded_cache = decode_logits(model, bits, reference=width)
     latent = [type(c) is QuantizedLatentCache for c in leaves(cache)]
-    assert any(latent) and latent == [type(c) is RoundedLatent for c in leaves(rounded_cache)]
-    assert mx.array_equal(logits, reference) and not mx.array_equal(logits, decode_logits(model, None)[0])
+    assert any(latent) and latent == [
+        type(c) is RoundedLatent for c in leaves(rounded_cache)
+    ]
+    assert mx.array_equal(logits, reference) and not mx.array_equal(
+        logits, decode_logits(model, None)[0]
+    )
 
 
 # --- the bounds: GLM-4.7-Flash -----------------------------------------------
@@ -104,7 +116,11 @@ DSA_SPAN = {"prefill": 96, "end": 144}
 
 def dsa_model(model_type, **overrides):
     # deepseek_v32's YaRN scaling off, as glm4_moe_lite's is.
-    config = {**DSA_CONFIG, **({"rope_scaling": None} if model_type == "deepseek_v32" else {}), **overrides}
+    config = {
+        **DSA_CONFIG,
+        **({"rope_scaling": None} if model_type == "deepseek_v32" else {}),
+        **overrides,
+    }
     return tiny.build_model(model_type, **config)[0]
 
 
@@ -127,7 +143,9 @@ def indexer_picks(model, bits, monkeypatch):
 
 @pytest.mark.parametrize("model_type", DSA)
 @pytest.mark.parametrize("bits,bound", [(8, 0.01), (4, 0.21)])
-def test_a_dsa_models_quantized_latent_stays_within_upstream_figures(model_type, bits, bound, installed):
+def test_a_dsa_models_quantized_latent_stays_within_upstream_figures(
+    model_type, bits, bound, installed
+):
     difference = max_logit_difference(dsa_model(model_type), bits, **DSA_SPAN)
     print(f"{model_type} {bits}-bit latent: max |logit difference| = {difference:.4f}")
     assert 0 < difference <= bound
@@ -143,4 +161,7 @@ def test_a_dsa_models_indexer_picks_the_same_positions_from_a_quantized_latent(
     model = dsa_model(model_type)
     picks = indexer_picks(model, bits, monkeypatch)
     # Every decode step is sparse: 96 picked of 97..144.
-    assert picks == indexer_picks(model, None, monkeypatch) and sum(p is not None for p in picks) == 48
+    assert (
+        picks == indexer_picks(model, None, monkeypatch)
+        and sum(p is not None for p in picks) == 48
+    )

@@ -18,8 +18,12 @@ QUOTED = [
 
 
 @pytest.mark.parametrize(
-    "doc,name,table,text", QUOTED,
-    ids=[f"{d.relative_to(ROOT).as_posix()}:{n}{'-' + t if t else ''}" for d, n, t, _ in QUOTED],
+    "doc,name,table,text",
+    QUOTED,
+    ids=[
+        f"{d.relative_to(ROOT).as_posix()}:{n}{'-' + t if t else ''}"
+        for d, n, t, _ in QUOTED
+    ],
 )
 def test_a_quoted_table_is_its_kept_runs_rendering(doc, name, table, text):
     assert text == figures.render(name, table)
@@ -32,5 +36,5 @@ def test_every_kept_run_is_quoted_somewhere():
 
 def test_a_figure_changed_by_hand_is_caught():
     doc = f"<!-- figures: mixed_batch_memory -->\n{figures.render('mixed_batch_memory')}<!-- /figures -->"
-    (name, table, text), = figures.blocks(doc.replace("18.00", "17.00"))
+    ((name, table, text),) = figures.blocks(doc.replace("18.00", "17.00"))
     assert text != figures.render(name, table)

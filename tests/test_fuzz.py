@@ -8,7 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import Server, Stream, post_json, questions, raw_post, save_served_model, status_lines
+from serving import (
+    Server,
+    Stream,
+    post_json,
+    questions,
+    raw_post,
+    save_served_model,
+    status_lines,
+)
 
 NAN, INF = float("nan"), float("inf")
 OUT_OF_VOCABULARY = 100_000  # the tiny model has 256 tokens
@@ -44,7 +52,6 @@ FIELDS = {
 }
 
 
-
 def stream_args(k):
     """Stream k: a text of its own, to the end of max_tokens."""
     return {"max_tokens": 240, "logit_bias": {"1": -100, str(40 + 20 * k): 2.0}}
@@ -62,7 +69,9 @@ def odd_request(i, field, value):
     """(path, body): case i alternates the endpoints and streaming."""
     chat = field == "messages" or (field != "prompt" and i % 2 == 0)
     body = {"max_tokens": 4, "stream": i % 4 < 2, "logit_bias": EOS, **FIELDS[field]}
-    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    body.update(
+        {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    )
     if field == "logit_bias":
         body["logit_bias"] = {**EOS, "5": value}
     elif field == "logit_bias id":
@@ -93,7 +102,12 @@ def odd_then_sampled(port, i, field, value):
     status, error = answer(port, *odd_request(i, field, value))
     if not (status == 200 and not error or 400 <= status < 500):
         return f"{field}={value!r}: HTTP {status}" + (" with an error" if error else "")
-    sampled = {"prompt": "Alpha", "max_tokens": 2, "temperature": 0.7, "logit_bias": EOS}
+    sampled = {
+        "prompt": "Alpha",
+        "max_tokens": 2,
+        "temperature": 0.7,
+        "logit_bias": EOS,
+    }
     status, error = answer(port, "/v1/completions", sampled)
     if status != 200 or error:
         return f"after {field}={value!r}: a sampled request got HTTP {status}"
@@ -101,24 +115,42 @@ def odd_then_sampled(port, i, field, value):
 
 
 @pytest.mark.soak
-def test_odd_values_in_every_field_harm_no_stream_and_the_next_sampled_request_is_served(model_path):
+def test_odd_values_in_every_field_harm_no_stream_and_the_next_sampled_request_is_served(
+    model_path,
+):
     cases = [(field, v) for field in FIELDS for v in VALUES]
     problems, i = [], 0
-    with Server(model_path, "--decode-concurrency", 8) as server, ThreadPoolExecutor(WAVE) as pool:
-        alone = [server.chat(q, **stream_args(k))[0] for k, q in enumerate(questions(3))]
+    with (
+        Server(model_path, "--decode-concurrency", 8) as server,
+        ThreadPoolExecutor(WAVE) as pool,
+    ):
+        alone = [
+            server.chat(q, **stream_args(k))[0] for k, q in enumerate(questions(3))
+        ]
         while i < len(cases):
-            streams = [Stream(server, q, **stream_args(k)) for k, q in enumerate(questions(3))]
+            streams = [
+                Stream(server, q, **stream_args(k)) for k, q in enumerate(questions(3))
+            ]
             for s in streams:
                 s.start()
             for s in streams:
                 s.started.wait(60)
             # Waves of odd requests while all three streams are decoding.
             while i < len(cases) and all(s.is_alive() for s in streams):
-                wave = [(i + k, *cases[i + k]) for k in range(min(WAVE, len(cases) - i))]
-                problems += [p for p in pool.map(lambda c: odd_then_sampled(server.port, *c), wave) if p]
+                wave = [
+                    (i + k, *cases[i + k]) for k in range(min(WAVE, len(cases) - i))
+                ]
+                problems += [
+                    p
+                    for p in pool.map(lambda c: odd_then_sampled(server.port, *c), wave)
+                    if p
+                ]
                 i += len(wave)
             for s in streams:
                 s.join()
-            problems += [f"stream {k}: {s.error or 'not the text it gives alone'}"
-                         for k, s in enumerate(streams) if s.text != alone[k]]
+            problems += [
+                f"stream {k}: {s.error or 'not the text it gives alone'}"
+                for k, s in enumerate(streams)
+                if s.text != alone[k]
+            ]
     assert problems == []

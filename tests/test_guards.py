@@ -57,7 +57,10 @@ def test_entry_that_does_not_hold_its_key_is_evicted(installed, caplog):
     cache, rest = store.fetch_nearest_cache("m", TOKENS)
     assert cache is None and rest == TOKENS
     assert len(store) == 0 and store.nbytes == 0
-    assert "evicted a bad prompt cache entry: layer 0: QuantizedLatentCache holds 7 tokens, expected 10" in caplog.text
+    assert (
+        "evicted a bad prompt cache entry: layer 0: QuantizedLatentCache holds 7 tokens, expected 10"
+        in caplog.text
+    )
 
 
 def test_a_partial_cache_is_never_stored(installed, caplog):
@@ -148,7 +151,9 @@ def test_a_failing_request_is_answered_and_the_loop_goes_on(installed):
         generator.stop_and_join()
 
 
-if hasattr(ResponseGenerator, "generation_available"):  # mlx-lm 0.32 reports a dead thread
+if hasattr(
+    ResponseGenerator, "generation_available"
+):  # mlx-lm 0.32 reports a dead thread
 
     def test_a_failure_that_repeats_ends_in_upstreams_dead_thread_state(installed):
         provider = FailingProvider()

@@ -26,7 +26,9 @@ class Handler:
 
     def answer(self):
         body = json.loads(self.wfile.getvalue())
-        assert list(body) == ["error"] and isinstance(body["error"], str)  # mlx-lm's shape
+        assert list(body) == ["error"] and isinstance(
+            body["error"], str
+        )  # mlx-lm's shape
         return self.status, body["error"]
 
 
@@ -40,15 +42,22 @@ def post_raising(error):
 
 
 def test_a_field_the_server_refuses_is_a_client_error():
-    assert post_raising(BadRequest("top_k must be at least 0")) == (400, "top_k must be at least 0")
+    assert post_raising(BadRequest("top_k must be at least 0")) == (
+        400,
+        "top_k must be at least 0",
+    )
 
 
 def test_a_body_that_is_not_utf8_is_a_client_error():
-    status, error = post_raising(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    status, error = post_raising(
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    )
     assert status == 400 and "not valid UTF-8" in error
 
 
-@pytest.mark.parametrize("error", [ValueError("a bug in the server"), KeyError("state")])
+@pytest.mark.parametrize(
+    "error", [ValueError("a bug in the server"), KeyError("state")]
+)
 def test_any_other_failure_is_a_server_error(error):
     status, message = post_raising(error)
     assert status == 500 and type(error).__name__ in message

@@ -83,7 +83,15 @@ def test_install_before_mlx_lm_is_imported_activates_without_a_warning():
     assert int(run_fresh("import mlx_lm_mla; print(len(mlx_lm_mla.install()))")[0]) > 0
 
 
-@pytest.mark.parametrize("first", ["mlx_lm_mla.tiny", "mlx_lm_mla.cache", "mlx_lm_mla.mla", "mlx_lm_mla.patches.quantize"])
+@pytest.mark.parametrize(
+    "first",
+    [
+        "mlx_lm_mla.tiny",
+        "mlx_lm_mla.cache",
+        "mlx_lm_mla.mla",
+        "mlx_lm_mla.patches.quantize",
+    ],
+)
 def test_importing_a_module_of_the_package_first_activates_without_a_warning(first):
     code = f"import {first}, mlx_lm_mla; print(len(mlx_lm_mla.installed()))"
     assert int(run_fresh(code)[0]) > 0

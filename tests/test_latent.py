@@ -20,21 +20,29 @@ LOOKALIKE = {"num_attention_heads": 1, "num_key_value_heads": 1, "qk_nope_head_d
 
 def generate(model, cache, prompt, bits, group_size=64, start=16, n=6):
     steps = generate_step(
-        mx.array(prompt), model, prompt_cache=cache, max_tokens=n,
-        kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start,
+        mx.array(prompt),
+        model,
+        prompt_cache=cache,
+        max_tokens=n,
+        kv_bits=bits,
+        kv_group_size=group_size,
+        quantized_kv_start=start,
     )
     return [t for t, _ in steps]
 
 
 def test_the_attention_classes_are_read_from_the_installed_models(installed):
     names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in mla.ATTENTION}
-    assert {"deepseek_v3.DeepseekV3Attention", "glm4_moe_lite.Glm4MoeLiteAttention"} <= names
+    assert {
+        "deepseek_v3.DeepseekV3Attention",
+        "glm4_moe_lite.Glm4MoeLiteAttention",
+    } <= names
     dsa = next(c for c in mla.ATTENTION if c.__name__ == "DeepseekV32Attention")
     assert mla.ATTENTION[dsa] == 0  # it writes the first member of its CacheList
 
 
 def test_the_source_says_which_cache_an_attention_writes():
-    source = '''
+    source = """
 class Sparse:
     def __init__(self):
         self.kv_lora_rank, self.embed_q = 8, None
@@ -53,7 +61,7 @@ class Twice:
     def __call__(self, x, cache=None):
         cache[0].update_and_fetch(x, x)
         return cache[1].update_and_fetch(x, x)
-'''
+"""
     assert mla.scan_source(source) == ({"Sparse": 1}, ["Twice"])
 
 
@@ -82,7 +90,9 @@ def test_stock_fails_a_latent_as_wide_as_its_rope_key(stock):
         ("deepseek_v2", LOOKALIKE),  # one head, keys wider than values
     ],
 )
-def test_a_one_head_model_without_mla_keeps_stocks_quantized_cache(model_type, overrides, installed):
+def test_a_one_head_model_without_mla_keeps_stocks_quantized_cache(
+    model_type, overrides, installed
+):
     model, _ = tiny.build_model(model_type, **overrides)
     cache = make_prompt_cache(model)
     got = generate(model, cache, PROMPT, bits=4, group_size=32)
@@ -91,13 +101,17 @@ def test_a_one_head_model_without_mla_keeps_stocks_quantized_cache(model_type, o
 
     uninstall()
     try:
-        expected = generate(model, make_prompt_cache(model), PROMPT, bits=4, group_size=32)
+        expected = generate(
+            model, make_prompt_cache(model), PROMPT, bits=4, group_size=32
+        )
     finally:
         install()
     assert got == expected
 
 
-def test_a_restored_cache_of_a_model_without_mla_keeps_stocks_quantized_cache(installed):
+def test_a_restored_cache_of_a_model_without_mla_keeps_stocks_quantized_cache(
+    installed,
+):
     model, _ = tiny.build_model("deepseek_v2", **LOOKALIKE)
     cache = make_prompt_cache(model)
     model(mx.array([PROMPT[:20]]), cache=cache)
@@ -118,7 +132,10 @@ def written(model_type="glm4_moe_lite", **overrides):
 def test_copies_and_deepcopies_stay_known(installed):
     _, cache = written(**SQUARE)
     for c in (copy.copy(cache[0]), copy.deepcopy(cache[0])):
-        assert c.to_quantized(group_size=64, bits=4) is c and type(c) is QuantizedLatentCache
+        assert (
+            c.to_quantized(group_size=64, bits=4) is c
+            and type(c) is QuantizedLatentCache
+        )
 
 
 def test_merge_and_extract_stay_known(installed):
@@ -164,4 +181,6 @@ def test_uninstall_forgets_the_attention_classes(stock):
     attention = next(iter(mla.ATTENTION))
     assert "mlx_lm_mla_original" in dir(attention.__call__)
     uninstall()
-    assert mla.ATTENTION == {} and not hasattr(attention.__call__, "mlx_lm_mla_original")
+    assert mla.ATTENTION == {} and not hasattr(
+        attention.__call__, "mlx_lm_mla_original"
+    )

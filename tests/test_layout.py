@@ -53,7 +53,7 @@ def test_no_module_of_the_package_imports_itself_back():
     def visit(name, trail):
         for target in edges[name]:
             if target in trail:
-                cycles.append(trail[trail.index(target):] + [target])
+                cycles.append(trail[trail.index(target) :] + [target])
             elif target not in done:
                 visit(target, trail + [target])
         done.add(name)
@@ -67,13 +67,20 @@ def test_no_module_of_the_package_imports_itself_back():
 
 def test_no_runtime_module_imports_the_test_kit():
     runtime = {n: e for n, e in graph().items() if not n.startswith(NOT_RUNTIME)}
-    offenders = {n: sorted(e) for n, e in runtime.items() if any(t.startswith("mlx_lm_mla.testing") for t in e)}
+    offenders = {
+        n: sorted(e)
+        for n, e in runtime.items()
+        if any(t.startswith("mlx_lm_mla.testing") for t in e)
+    }
     assert offenders == {}
 
 
 def test_lmstudio_receives_the_runtime_modules_and_no_test_kit():
     shipped = {name for name in payload() if name.endswith(".py")}
-    assert "mlx_lm_mla/patches/__init__.py" in shipped and "mlx_lm_mla/guards/reuse.py" in shipped
+    assert (
+        "mlx_lm_mla/patches/__init__.py" in shipped
+        and "mlx_lm_mla/guards/reuse.py" in shipped
+    )
     assert not [name for name in shipped if name.startswith("mlx_lm_mla/testing/")]
 
 
@@ -82,7 +89,11 @@ def test_no_class_is_made_with_type_and_no_file_is_searched_with_a_regex():
     for name, path in modules().items():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "type" and len(node.args) == 3:
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "type"
+                and len(node.args) == 3
+            ):
                 fabricated.append(f"{name}:{node.lineno}")
     files = ast.parse((PACKAGE / "patches" / "files.py").read_text())
     for node in ast.walk(files):

@@ -44,11 +44,18 @@ TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
 ENGINE = "mlx-llm-mac-arm64-apple-metal-advsimd"
-RUNTIME = f"_amphibian/cpython{sys.version_info.major}.{sys.version_info.minor}-mac-arm64@10"
+RUNTIME = (
+    f"_amphibian/cpython{sys.version_info.major}.{sys.version_info.minor}-mac-arm64@10"
+)
 FRAMEWORK = "_amphibian/framework-mlx-deps-mac-arm64@10"
 APP = "_amphibian/app-mlx-generate-mac14-arm64@34"
 NEXT_APP = "_amphibian/app-mlx-generate-mac14-arm64@35"
-COPIED = ("mlx", "mlx-cpu", "mlx-metal", "mlx-lm")  # into the app layer, as installed here
+COPIED = (
+    "mlx",
+    "mlx-cpu",
+    "mlx-metal",
+    "mlx-lm",
+)  # into the app layer, as installed here
 NOT_LINKED = (*COPIED, "mlx-lm-mla", "pip", "setuptools")
 SWAPAXES = "'list' object has no attribute 'swapaxes'"
 
@@ -119,7 +126,9 @@ def app_layer(layer: Path, runtime: Path, framework: Path):
 def metadata_only_layer(layer: Path, mlx_lm_version: str):
     """A layer whose site-packages holds mlx-lm's package folder and dist-info only."""
     (site(layer) / "mlx_lm").mkdir(parents=True)
-    (site(layer) / "mlx_lm" / "__init__.py").write_text(f'__version__ = "{mlx_lm_version}"\n')
+    (site(layer) / "mlx_lm" / "__init__.py").write_text(
+        f'__version__ = "{mlx_lm_version}"\n'
+    )
     info = site(layer) / f"mlx_lm-{mlx_lm_version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
@@ -147,28 +156,52 @@ def layout(tmp_path_factory):
     metadata_only_layer(vendor / NEXT_APP, metadata.version("mlx-lm"))
     write_json(
         backends / f"{ENGINE}-1.8.5" / "backend-manifest.json",
-        {"name": ENGINE, "version": "1.8.5", "engine": "mlx", "extension_type": "engine",
-         "vendor_lib_package_names": [APP, FRAMEWORK, RUNTIME]},
+        {
+            "name": ENGINE,
+            "version": "1.8.5",
+            "engine": "mlx",
+            "extension_type": "engine",
+            "vendor_lib_package_names": [APP, FRAMEWORK, RUNTIME],
+        },
     )
     write_json(
         backends / f"{ENGINE}-1.8.6" / "backend-manifest.json",
-        {"name": ENGINE, "version": "1.8.6", "engine": "mlx", "extension_type": "engine",
-         "vendor_lib_package_names": [NEXT_APP, RUNTIME]},
+        {
+            "name": ENGINE,
+            "version": "1.8.6",
+            "engine": "mlx",
+            "extension_type": "engine",
+            "vendor_lib_package_names": [NEXT_APP, RUNTIME],
+        },
     )
     llama = "llama.cpp-mac-arm64-apple-metal-advsimd"
     write_json(
         backends / f"{llama}-1.50.0" / "backend-manifest.json",
-        {"name": llama, "version": "1.50.0", "engine": "llama.cpp", "vendor_lib_package_names": []},
+        {
+            "name": llama,
+            "version": "1.50.0",
+            "engine": "llama.cpp",
+            "vendor_lib_package_names": [],
+        },
     )
     write_json(
         home / ".internal" / "backend-preferences-v1.json",
-        [{"model_format": "gguf", "name": llama, "version": "1.50.0"},
-         {"model_format": "safetensors", "name": ENGINE, "version": "1.8.5"}],
+        [
+            {"model_format": "gguf", "name": llama, "version": "1.50.0"},
+            {"model_format": "safetensors", "name": ENGINE, "version": "1.8.5"},
+        ],
     )
-    model = tiny.save_model(root / "model", "glm4_moe_lite", kv_lora_rank=128, qk_rope_head_dim=64)
+    model = tiny.save_model(
+        root / "model", "glm4_moe_lite", kv_lora_rank=128, qk_rope_head_dim=64
+    )
     return SimpleNamespace(
-        root=root, user=user, home=home, app=vendor / APP, next_app=vendor / NEXT_APP,
-        python=vendor / APP / "bin" / "python", model=model,
+        root=root,
+        user=user,
+        home=home,
+        app=vendor / APP,
+        next_app=vendor / NEXT_APP,
+        python=vendor / APP / "bin" / "python",
+        model=model,
     )
 
 
@@ -205,7 +238,11 @@ def tree(folder: Path):
 def in_layer(layout, *args, timeout=300):
     """The app layer's interpreter, isolated, as LM Studio runs it."""
     out = subprocess.run(
-        [str(layout.python), "-I", *args], capture_output=True, text=True, timeout=timeout, cwd="/"
+        [str(layout.python), "-I", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -286,7 +323,8 @@ def test_installed_fix_is_active_in_the_isolated_interpreter(layout, installed):
 
 def test_the_install_is_a_distribution_importlib_metadata_sees(layout, installed):
     out = in_layer(
-        layout, "-c",
+        layout,
+        "-c",
         "import importlib.metadata as m, importlib.util as u; d = m.distribution('mlx-lm-mla'); "
         "print(d.version, d.read_text('INSTALLER').strip(), len(d.files), "
         "u.find_spec('mlx_lm_mla').origin)",
@@ -300,7 +338,9 @@ def test_the_install_is_a_distribution_importlib_metadata_sees(layout, installed
 
 def test_install_writes_the_runtime_and_no_test_kit(layout, installed):
     package = site(layout.app) / "mlx_lm_mla"
-    assert (package / "patches" / "__init__.py").is_file() and (package / "guards" / "reuse.py").is_file()
+    assert (package / "patches" / "__init__.py").is_file() and (
+        package / "guards" / "reuse.py"
+    ).is_file()
     assert not (package / "testing").exists()
 
 
@@ -339,8 +379,11 @@ def test_install_upgrades_an_older_install_in_place(layout, cli, monkeypatch):
         code, out, _ = cli("install")
         assert code == 0 and f"upgraded mlx-lm-mla 0.0.9 to {__version__}" in out
         assert not (site(layout.app) / "mlx_lm_mla-0.0.9.dist-info").exists()
-        versions = [d.version for d in metadata.distributions(path=[str(site(layout.app))])
-                    if d.metadata["Name"] == "mlx-lm-mla"]
+        versions = [
+            d.version
+            for d in metadata.distributions(path=[str(site(layout.app))])
+            if d.metadata["Name"] == "mlx-lm-mla"
+        ]
         assert versions == [__version__]
     finally:
         assert cli("uninstall")[0] == 0
@@ -385,7 +428,9 @@ def test_all_reaches_every_layer_with_mlx_lm(layout, cli):
 def test_home_and_layer_options_work_on_that_folder(layout, cli, tmp_path):
     elsewhere = tmp_path / "user"  # no LM Studio there
     elsewhere.mkdir()
-    assert str(layout.app) in cli("status", "--home", str(layout.home), user=elsewhere)[1]
+    assert (
+        str(layout.app) in cli("status", "--home", str(layout.home), user=elsewhere)[1]
+    )
     code, out, _ = cli("status", "--layer", str(layout.next_app), user=elsewhere)
     assert code == 0 and out.startswith(f"{layout.next_app}: mlx-lm-mla not installed")
 
@@ -402,8 +447,12 @@ def test_the_home_pointer_is_followed(layout, cli, tmp_path):
 def run_cli(*args, user):
     """The installed command, in a new process."""
     return subprocess.run(
-        [sys.executable, "-m", "mlx_lm_mla", "lmstudio", *args], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "HOME": str(user)}, cwd="/",
+        [sys.executable, "-m", "mlx_lm_mla", "lmstudio", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(user)},
+        cwd="/",
     )
 
 
@@ -421,7 +470,9 @@ def test_install_without_lm_studio_is_refused(cli, tmp_path):
 
 def test_a_home_without_an_mlx_layer_is_refused(cli, tmp_path):
     llama = tmp_path / ".lmstudio" / "extensions" / "backends" / "llama.cpp-1.50.0"
-    write_json(llama / "backend-manifest.json", {"name": "llama.cpp", "engine": "llama.cpp"})
+    write_json(
+        llama / "backend-manifest.json", {"name": "llama.cpp", "engine": "llama.cpp"}
+    )
     before = tree(tmp_path)
     code, _, err = cli("install", user=tmp_path)
     assert code == 1 and "no MLX engine" in err and "mlx_lm" in err
@@ -445,7 +496,11 @@ def test_an_unwritable_layer_is_refused(layout, cli):
         with pytest.raises(OSError):
             (site(layout.app) / "probe").write_bytes(b"")
         code, _, err = cli("install")
-    assert code == 1 and f"cannot write to {site(layout.app)}" in err and "nothing written" in err
+    assert (
+        code == 1
+        and f"cannot write to {site(layout.app)}" in err
+        and "nothing written" in err
+    )
     assert tree(layout.app) == before
 
 
@@ -461,7 +516,12 @@ def test_a_write_that_fails_midway_leaves_the_layer_as_it_was(layout, cli, monke
 
     monkeypatch.setattr(installer.os, "replace", full_disk)
     code, out, err = cli("install")
-    assert code == 1 and out == "" and "No space left on device" in err and "as it was" in err
+    assert (
+        code == 1
+        and out == ""
+        and "No space left on device" in err
+        and "as it was" in err
+    )
     assert tree(layout.app) == before
 
 
@@ -502,10 +562,18 @@ def test_the_readme_commands_run_as_written(layout):
     assert [c.split()[2] for c in commands] == ["install", "status", "uninstall"]
     before = tree(layout.app)
     scripts = sysconfig.get_paths()["scripts"]
-    env = {**os.environ, "HOME": str(layout.user), "PATH": f"{scripts}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "HOME": str(layout.user),
+        "PATH": f"{scripts}:{os.environ['PATH']}",
+    }
     for command in commands:
         out = subprocess.run(
-            ["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120
+            ["bash", "-c", command],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
         )
         assert out.returncode == 0, (command, out.stderr)
         assert str(layout.app) in out.stdout

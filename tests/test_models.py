@@ -33,7 +33,9 @@ def latent_caches(caches):
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
-def test_every_latent_attention_keeps_the_stock_cache(model_type, installed, stock_caches):
+def test_every_latent_attention_keeps_the_stock_cache(
+    model_type, installed, stock_caches
+):
     model, _ = tiny.build_model(model_type)
     caches = make_prompt_cache(model)
     assert [type(c) for c in leaves(caches)] == stock_caches(model)
@@ -80,7 +82,9 @@ def test_quantized_latent_cache_runs_every_architecture(model_type, bits, instal
     assert mx.isfinite(logits).all().item()
 
 
-WINDOWED = [t for t in ("glm4_moe_lite", "deepseek_v3", "mistral4") if t in tiny.MLA_MODEL_TYPES]
+WINDOWED = [
+    t for t in ("glm4_moe_lite", "deepseek_v3", "mistral4") if t in tiny.MLA_MODEL_TYPES
+]
 
 
 @pytest.mark.parametrize("model_type", WINDOWED)
@@ -106,8 +110,15 @@ def test_a_loaded_model_quantizes_its_latent(installed, tmp_path):
     assert all(type(c) is KVCache for c in cache)
     prompt = tokenizer.encode("hello latent world")
     steps = generate_step(
-        mx.array(prompt), model, prompt_cache=cache, max_tokens=4, kv_bits=4, quantized_kv_start=0
+        mx.array(prompt),
+        model,
+        prompt_cache=cache,
+        max_tokens=4,
+        kv_bits=4,
+        quantized_kv_start=0,
     )
     out = [t for t, _ in steps]
-    assert len(out) == 4 and cache[0].offset == len(prompt) + 4  # generate_step runs one step ahead
+    assert (
+        len(out) == 4 and cache[0].offset == len(prompt) + 4
+    )  # generate_step runs one step ahead
     assert all(type(c) is QuantizedLatentCache for c in cache)

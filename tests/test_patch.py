@@ -14,7 +14,6 @@ from mlx_lm_mla import QuantizedLatentCache, patches
 from mlx_lm_mla import tiny
 
 
-
 def test_install_registers_classes_where_load_prompt_cache_looks(stock):
     patched = mlx_lm_mla.install()
     assert upstream_cache.QuantizedLatentCache is QuantizedLatentCache
@@ -28,8 +27,12 @@ def test_install_touches_only_the_mla_attention_of_model_modules(stock):
     mlx_lm_mla.install()
     calls = {f"{c.__module__}.{c.__qualname__}.__call__" for c in mla.ATTENTION}
     decode = {f"{c.__module__}.scaled_dot_product_attention" for c in mla.ATTENTION}
-    in_models = {label for label in mlx_lm_mla.installed() if label.startswith("mlx_lm.models.") and
-                 not label.startswith("mlx_lm.models.cache.")}
+    in_models = {
+        label
+        for label in mlx_lm_mla.installed()
+        if label.startswith("mlx_lm.models.")
+        and not label.startswith("mlx_lm.models.cache.")
+    }
     assert calls and in_models == calls | decode
     assert "make_cache" not in deepseek_v3.Model.__dict__
 
@@ -44,7 +47,11 @@ def test_install_is_idempotent(stock):
 def test_uninstall_restores_everything(stock):
     originals = {
         cls: dict(vars(cls))
-        for cls in (upstream_cache.KVCache, upstream_cache.RotatingKVCache, upstream_cache.BatchKVCache)
+        for cls in (
+            upstream_cache.KVCache,
+            upstream_cache.RotatingKVCache,
+            upstream_cache.BatchKVCache,
+        )
     }
     mlx_lm_mla.install()
     restored = mlx_lm_mla.uninstall()

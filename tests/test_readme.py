@@ -15,14 +15,19 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 BEGIN = re.compile(
-    r"^<!-- model-table: python -m mlx_lm_mla\.testing\.model_table \(mlx-lm ([^)]+)\) -->$", re.M
+    r"^<!-- model-table: python -m mlx_lm_mla\.testing\.model_table \(mlx-lm ([^)]+)\) -->$",
+    re.M,
 )
 END = "<!-- /model-table -->"
 
 
 def run(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -111,13 +116,17 @@ def named_but_missing(text):
     return missing
 
 
-@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize(
+    "doc", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix()
+)
 def test_the_docs_name_only_modules_that_exist(doc):
     assert named_but_missing(doc.read_text(encoding="utf-8")) == []
 
 
 def test_the_module_check_catches_an_old_name():
-    assert named_but_missing("see `mlx_lm_mla/patch.py` and `mlx_lm_mla.testing.tiny`") == [
+    assert named_but_missing(
+        "see `mlx_lm_mla/patch.py` and `mlx_lm_mla.testing.tiny`"
+    ) == [
         "mlx_lm_mla/patch.py",
         "mlx_lm_mla.testing.tiny",
     ]

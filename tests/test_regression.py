@@ -18,7 +18,10 @@ def serve(model, cache, history, prompt, bits, max_tokens=12):
     """One request the way a server reuses its cache: trim to the common
     prefix, process the rest, remember what the cache now holds."""
     common = 0
-    while common < min(len(history), len(prompt) - 1) and history[common] == prompt[common]:
+    while (
+        common < min(len(history), len(prompt) - 1)
+        and history[common] == prompt[common]
+    ):
         common += 1
     trim_prompt_cache(cache, cache[0].offset - common)
     out = [
@@ -38,7 +41,9 @@ def serve(model, cache, history, prompt, bits, max_tokens=12):
 
 def requests(n):
     prefix = [(3 * i + 11) % 190 + 5 for i in range(30)]
-    return [prefix + [(7 * r + j) % 190 + 5 for j in range(2 + r % 9)] for r in range(n)]
+    return [
+        prefix + [(7 * r + j) % 190 + 5 for j in range(2 + r % 9)] for r in range(n)
+    ]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -58,7 +63,9 @@ def test_cache_crosses_the_threshold_and_serves_40_more_requests(bits, installed
 def test_without_the_fix_the_same_scenario_fails(stock):
     model, _ = tiny.build_model("glm4_moe_lite", **WIDE)
     cache = make_prompt_cache(model)
-    with pytest.raises(AttributeError, match="'list' object has no attribute 'swapaxes'"):
+    with pytest.raises(
+        AttributeError, match="'list' object has no attribute 'swapaxes'"
+    ):
         serve(model, cache, [], requests(1)[0] + list(range(5, 30)), 4)
     # and the damage is permanent: a short request fails the same way
     trim_prompt_cache(cache, cache[0].offset)

@@ -74,7 +74,9 @@ def test_a_trial_leaves_the_random_state_as_it_found_it():
     expected = draws()
     mx.random.seed(3)
     assert sampling.trial(make_sampler(0.8), [], VOCAB, mx.array([1, 2])) is None
-    assert "top_k" in sampling.trial(make_sampler(0.8, top_k=VOCAB * 10), [], VOCAB, mx.array([1]))
+    assert "top_k" in sampling.trial(
+        make_sampler(0.8, top_k=VOCAB * 10), [], VOCAB, mx.array([1])
+    )
     sampler = make_sampler(0.8)
     assert [sampler(row()).item() for _ in range(4)] == expected
 
@@ -90,37 +92,60 @@ def counting(builder, calls):
 def test_a_request_s_sampler_is_built_once_by_its_validation_and_run_as_its_row(served):
     calls, (args, state) = [], served
     make = counting(lambda args, tokenizer: make_sampler(0.8), calls)
-    assert sampling.sampling_problem(make, lambda a: [], None, args, VOCAB, [1, 2], state) is None
+    assert (
+        sampling.sampling_problem(make, lambda a: [], None, args, VOCAB, [1, 2], state)
+        is None
+    )
     row_sampler = sampling.guarded_make_sampler(make)(args, None)
-    assert len(calls) == 1 and isinstance(row_sampler, sampling.RowSampler) and row_sampler.state is state
+    assert (
+        len(calls) == 1
+        and isinstance(row_sampler, sampling.RowSampler)
+        and row_sampler.state is state
+    )
 
 
 def test_a_request_s_processors_are_built_once_by_its_validation(served):
     calls, (args, state) = [], served
     penalty = counting(lambda args: [lambda tokens, logits: logits], calls)
-    assert sampling.sampling_problem(lambda a, t: make_sampler(0.8), penalty, None, args, VOCAB, [1, 2], state) is None
+    assert (
+        sampling.sampling_problem(
+            lambda a, t: make_sampler(0.8), penalty, None, args, VOCAB, [1, 2], state
+        )
+        is None
+    )
     processors = sampling.guarded_make_logits_processors(penalty)(args)
     assert len(calls) == 1 and [type(p) for p in processors] == [sampling.RowProcessor]
 
 
 def test_the_greedy_sampler_every_request_shares_is_left_unwrapped(served):
     greedy = make_sampler(0.0)
-    built = sampling.guarded_make_sampler(lambda args, tokenizer: greedy)(served[0], None)
-    shared = "<locals>" not in greedy.__qualname__  # mlx-lm 0.32: one module-level function
-    assert (built is greedy) == shared and isinstance(built, sampling.RowSampler) != shared
+    built = sampling.guarded_make_sampler(lambda args, tokenizer: greedy)(
+        served[0], None
+    )
+    shared = (
+        "<locals>" not in greedy.__qualname__
+    )  # mlx-lm 0.32: one module-level function
+    assert (built is greedy) == shared and isinstance(
+        built, sampling.RowSampler
+    ) != shared
 
 
 def test_the_server_s_builder_takes_request_arguments_of_any_kind():
     class AsAClass:  # mlx-lm's own test passes a class for the request's arguments
         pass
 
-    sampler = sampling.guarded_make_sampler(lambda args, tokenizer: make_sampler(0.8))(AsAClass, None)
+    sampler = sampling.guarded_make_sampler(lambda args, tokenizer: make_sampler(0.8))(
+        AsAClass, None
+    )
     assert sampler(row()).shape == (1,)
 
 
 def test_a_sampler_made_outside_a_served_request_is_the_builders_own():
     made = make_sampler(0.8)
-    assert sampling.guarded_make_sampler(lambda args, tokenizer: made)(Args(), None) is made
+    assert (
+        sampling.guarded_make_sampler(lambda args, tokenizer: made)(Args(), None)
+        is made
+    )
 
 
 def test_a_closed_request_leaves_no_state_behind(served):

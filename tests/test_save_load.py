@@ -34,7 +34,9 @@ def continue_from(model, cache):
     return model(mx.array([PROMPT[14:]]), cache=cache)
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32", "longcat_flash", "kimi_linear"])
+@pytest.mark.parametrize(
+    "model_type", ["glm4_moe_lite", "deepseek_v32", "longcat_flash", "kimi_linear"]
+)
 @pytest.mark.parametrize("bits", [None, 4])
 def test_round_trip_continues_exactly(model_type, bits, installed, tmp_path):
     model, _ = tiny.build_model(model_type)
@@ -66,11 +68,21 @@ def test_a_loaded_latent_quantized_otherwise_than_kv_bits_is_refused_before_the_
     path = str(tmp_path / "q.safetensors")
     save_prompt_cache(path, prefilled(model, bits=4))  # group size 32
     loaded = cache_module.load_prompt_cache(path)
-    with pytest.raises(ValueError, match=f"group_size 32 and 4 bits; kv_bits {bits} with kv_group_size {group_size}"):
-        next(generate_step(
-            mx.array(PROMPT[14:]), model, prompt_cache=loaded, max_tokens=2,
-            kv_bits=bits, kv_group_size=group_size, quantized_kv_start=5000,
-        ))
+    with pytest.raises(
+        ValueError,
+        match=f"group_size 32 and 4 bits; kv_bits {bits} with kv_group_size {group_size}",
+    ):
+        next(
+            generate_step(
+                mx.array(PROMPT[14:]),
+                model,
+                prompt_cache=loaded,
+                max_tokens=2,
+                kv_bits=bits,
+                kv_group_size=group_size,
+                quantized_kv_start=5000,
+            )
+        )
     assert all(c.offset == 14 for c in loaded)  # nothing was written
 
 
@@ -84,11 +96,16 @@ def test_a_zero_size_array_saves_and_loads_back_as_it_was(installed, tmp_path):
     loaded, metadata = cache_module.load_prompt_cache(path, return_metadata=True)
     assert metadata == {"chat": "hi"}
     step = (mx.random.normal((1, 1, 1, 8)), mx.zeros((1, 1, 1, 0)))
-    (k, v), (k_loaded, v_loaded) = cache.update_and_fetch(*step), loaded[0].update_and_fetch(*step)
+    (k, v), (k_loaded, v_loaded) = (
+        cache.update_and_fetch(*step),
+        loaded[0].update_and_fetch(*step),
+    )
     assert v_loaded.shape == v.shape == (1, 1, 7, 0) and mx.array_equal(k_loaded, k)
 
 
-def test_a_zero_size_array_inside_a_cache_list_loads_back_in_its_place(installed, tmp_path):
+def test_a_zero_size_array_inside_a_cache_list_loads_back_in_its_place(
+    installed, tmp_path
+):
     keys = mx.random.normal((1, 1, 6, 8))
     latent, indexer = cache_module.KVCache(), cache_module.KVCache()
     latent.update_and_fetch(keys, keys[..., :4])
@@ -99,8 +116,13 @@ def test_a_zero_size_array_inside_a_cache_list_loads_back_in_its_place(installed
     step = (mx.ones((1, 1, 1, 8)), mx.zeros((1, 1, 1, 0)))
     for original, restored in zip((latent, indexer), loaded.caches):
         v = step[1] if original is indexer else step[0][..., :4]
-        assert all(mx.array_equal(a, b) for a, b in zip(
-            original.update_and_fetch(step[0], v), restored.update_and_fetch(step[0], v)))
+        assert all(
+            mx.array_equal(a, b)
+            for a, b in zip(
+                original.update_and_fetch(step[0], v),
+                restored.update_and_fetch(step[0], v),
+            )
+        )
 
 
 def test_a_cache_trimmed_to_nothing_saves_and_loads_back_empty(installed, tmp_path):
@@ -115,14 +137,20 @@ def test_a_cache_trimmed_to_nothing_saves_and_loads_back_empty(installed, tmp_pa
     assert k.shape == v.shape == (1, 1, 2, 8)
 
 
-def test_a_file_whose_zero_size_record_does_not_fit_is_refused_by_name(installed, tmp_path):
+def test_a_file_whose_zero_size_record_does_not_fit_is_refused_by_name(
+    installed, tmp_path
+):
     from mlx_lm_mla.patches.files import EMPTY
 
     cache = cache_module.KVCache()
     cache.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
     path = str(tmp_path / "record.safetensors")
-    save_prompt_cache(path, [cache], metadata={EMPTY: '{"5": [["1", [1, 1, 4, 0], "float32"]]}'})
-    with pytest.raises(CorruptCacheFile, match=f"record.safetensors: its {EMPTY} record does not fit"):
+    save_prompt_cache(
+        path, [cache], metadata={EMPTY: '{"5": [["1", [1, 1, 4, 0], "float32"]]}'}
+    )
+    with pytest.raises(
+        CorruptCacheFile, match=f"record.safetensors: its {EMPTY} record does not fit"
+    ):
         cache_module.load_prompt_cache(path)
 
 
@@ -131,7 +159,9 @@ def test_truncated_file_is_refused_by_name(installed, tmp_path):
     path = tmp_path / "c.safetensors"
     save_prompt_cache(str(path), prefilled(model))
     path.write_bytes(path.read_bytes()[:-64])
-    with pytest.raises(CorruptCacheFile, match=r"c\.safetensors is truncated or corrupt"):
+    with pytest.raises(
+        CorruptCacheFile, match=r"c\.safetensors is truncated or corrupt"
+    ):
         cache_module.load_prompt_cache(str(path))
 
 
@@ -151,7 +181,10 @@ def test_tampered_state_gives_a_clear_error(installed, tmp_path):
     arrays["0.1"] = arrays["0.1"][:, :, :5]  # rope key of layer 0 cut short
     meta = {k: v for k, v in meta.items() if CHECKSUM not in k}  # as stock saves it
     mx.save_safetensors(path, arrays, meta)
-    with pytest.raises(ValueError, match=r"QuantizedLatentCache state: expected uint8 arrays \(B, 1, L, 32\) and \(B, 1, L, 80\), got"):
+    with pytest.raises(
+        ValueError,
+        match=r"QuantizedLatentCache state: expected uint8 arrays \(B, 1, L, 32\) and \(B, 1, L, 80\), got",
+    ):
         cache_module.load_prompt_cache(path)
 
 
@@ -197,18 +230,30 @@ def test_full_kv_cache_is_refused_by_name_for_an_mla_model(installed, tmp_path):
     path = str(tmp_path / "v2.safetensors")
     save_prompt_cache(path, prefilled(full), metadata={"model": "v2"})
     loaded = cache_module.load_prompt_cache(path)
-    with pytest.raises(ValueError, match=r"layer 0 \(KVCache\) holds per-head keys and values \(\d+ heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 \(KVCache\) holds per-head keys and values \(\d+ heads",
+    ):
         next(generate_step(mx.array(PROMPT[14:]), mla, prompt_cache=loaded))
 
 
 def test_plain_file_marked_quantized_names_the_missing_format(installed, tmp_path):
     model, _ = tiny.build_model("glm4_moe_lite")
-    good, path = str(tmp_path / "good.safetensors"), str(tmp_path / "marked.safetensors")
+    good, path = (
+        str(tmp_path / "good.safetensors"),
+        str(tmp_path / "marked.safetensors"),
+    )
     save_prompt_cache(good, prefilled(model))
     arrays, meta = mx.load(good, return_metadata=True)
-    meta = {k: ("QuantizedLatentCache" if v == "KVCache" else v) for k, v in meta.items()}
-    mx.save_safetensors(path, arrays, {k: v for k, v in meta.items() if CHECKSUM not in k})
-    with pytest.raises(ValueError, match="QuantizedLatentCache: no quantization format"):
+    meta = {
+        k: ("QuantizedLatentCache" if v == "KVCache" else v) for k, v in meta.items()
+    }
+    mx.save_safetensors(
+        path, arrays, {k: v for k, v in meta.items() if CHECKSUM not in k}
+    )
+    with pytest.raises(
+        ValueError, match="QuantizedLatentCache: no quantization format"
+    ):
         cache_module.load_prompt_cache(path)
 
 
@@ -216,8 +261,14 @@ def unreleased_layout(cache):
     """The arrays and format text of a layout that was never released: keys
     [packed latent | scales | biases], values the RoPE key, no layout name."""
     r, fmt = cache._sizes()[2], ",".join(map(str, cache._format))
-    keys, values, *rest = cache.state[:-1] if not hasattr(cache, "meta_state") else cache.state
-    return (mx.concatenate([keys, values[..., r:]], axis=-1), values[..., :r], *rest), fmt
+    keys, values, *rest = (
+        cache.state[:-1] if not hasattr(cache, "meta_state") else cache.state
+    )
+    return (
+        mx.concatenate([keys, values[..., r:]], axis=-1),
+        values[..., :r],
+        *rest,
+    ), fmt
 
 
 def test_a_cache_in_a_layout_never_released_is_refused_by_name(installed):
@@ -226,14 +277,18 @@ def test_a_cache_in_a_layout_never_released_is_refused_by_name(installed):
     model, _ = tiny.build_model("glm4_moe_lite")
     c = prefilled(model, bits=4)[0]
     arrays, fmt = unreleased_layout(c)
-    with pytest.raises(ValueError, match="QuantizedLatentCache: no quantization format"):
+    with pytest.raises(
+        ValueError, match="QuantizedLatentCache: no quantization format"
+    ):
         if hasattr(c, "meta_state"):  # mlx-lm 0.31: the format ends the meta_state
             QuantizedLatentCache.from_state(arrays, tuple(c.meta_state[:-1]) + (fmt,))
         else:
             QuantizedLatentCache.from_state(arrays + (fmt,))
 
 
-def test_the_checksum_is_of_every_byte_of_the_file_whatever_pieces_it_is_written_in(tmp_path):
+def test_the_checksum_is_of_every_byte_of_the_file_whatever_pieces_it_is_written_in(
+    tmp_path,
+):
     from mlx_lm_mla.checksum import add_checksum, check_cache_file
 
     arrays = {"a": mx.arange(1000, dtype=mx.float32)}
@@ -263,7 +318,12 @@ def swap_layers_in_header(raw):
     """The file with layer 0's and layer 1's first arrays swapped in its
     header: valid JSON of the same length, a wrong cache."""
     end = 8 + int.from_bytes(raw[:8], "little")
-    header = raw[8:end].replace(b'"0.0":{', b'"x.x":{').replace(b'"1.0":{', b'"0.0":{').replace(b'"x.x":{', b'"1.0":{')
+    header = (
+        raw[8:end]
+        .replace(b'"0.0":{', b'"x.x":{')
+        .replace(b'"1.0":{', b'"0.0":{')
+        .replace(b'"x.x":{', b'"1.0":{')
+    )
     assert header != raw[8:end]
     return raw[:8] + header + raw[end:]
 
@@ -278,7 +338,9 @@ def test_a_header_that_swaps_two_layers_is_refused_by_its_checksum(installed, tm
         cache_module.load_prompt_cache(str(path))
 
 
-def test_a_file_with_the_data_only_checksum_of_earlier_releases_loads_and_is_checked(installed, tmp_path):
+def test_a_file_with_the_data_only_checksum_of_earlier_releases_loads_and_is_checked(
+    installed, tmp_path
+):
     model, _ = tiny.build_model("glm4_moe_lite")
     cache = prefilled(model, bits=4)
     good = tmp_path / "good.safetensors"
@@ -288,10 +350,12 @@ def test_a_file_with_the_data_only_checksum_of_earlier_releases_loads_and_is_che
     old = str(tmp_path / "old.safetensors")
     mx.save_safetensors(old, arrays, {**meta, key: "crc32:00000000"})
     raw = open(old, "rb").read()
-    data = raw[8 + int.from_bytes(raw[:8], "little"):]
+    data = raw[8 + int.from_bytes(raw[:8], "little") :]
     mx.save_safetensors(old, arrays, {**meta, key: f"crc32:{zlib.crc32(data):08x}"})
     loaded = cache_module.load_prompt_cache(old)
-    assert mx.array_equal(continue_from(model, loaded), continue_from(model, prefilled(model, bits=4)))
+    assert mx.array_equal(
+        continue_from(model, loaded), continue_from(model, prefilled(model, bits=4))
+    )
     damaged = bytearray(open(old, "rb").read())
     damaged[-1] ^= 1
     open(old, "wb").write(bytes(damaged))

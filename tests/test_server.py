@@ -62,7 +62,9 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
 
     @pytest.mark.soak
     @pytest.mark.parametrize("bits", KV_BITS)
-    def test_sixty_sequential_requests_with_kv_quantization_all_succeed(bits, model_path):
+    def test_sixty_sequential_requests_with_kv_quantization_all_succeed(
+        bits, model_path
+    ):
         with Server(model_path, "--decode-concurrency", 4, *kv_flags(bits)) as server:
             results = serve_sequentially(server, 60, max_tokens=200)
         assert all(len(text) > 0 for text, _ in results)
@@ -70,7 +72,9 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
 
     @pytest.mark.parametrize("bits", KV_BITS)
     def test_without_the_package_the_server_fails_the_same_workload(bits, model_path):
-        with Server(model_path, "--decode-concurrency", 4, *kv_flags(bits), disabled=True) as server:
+        with Server(
+            model_path, "--decode-concurrency", 4, *kv_flags(bits), disabled=True
+        ) as server:
             failures = 0
             for q in questions(3):
                 try:
@@ -83,7 +87,9 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
 def test_prompt_cache_and_batching_do_not_change_greedy_outputs(model_path):
     with Server(model_path, "--decode-concurrency", 4) as server:
         cached = serve_sequentially(server, 8, max_tokens=60)
-    with Server(model_path, "--decode-concurrency", 4, "--prompt-cache-size", 0) as server:
+    with Server(
+        model_path, "--decode-concurrency", 4, "--prompt-cache-size", 0
+    ) as server:
         fresh = serve_sequentially(server, 8, max_tokens=60)
     assert [t for t, _ in cached] == [t for t, _ in fresh]
     assert all(cached_tokens(u) > 0 for _, u in cached[1:])
@@ -111,7 +117,9 @@ def test_cache_prompt_false_neither_reuses_nor_stores(model_path):
 
 def test_a_client_that_disconnects_mid_stream_leaves_nothing_corrupted(model_path):
     checks = questions(12)[-3:]
-    with Server(model_path, "--decode-concurrency", 4, "--prompt-cache-size", 0) as server:
+    with Server(
+        model_path, "--decode-concurrency", 4, "--prompt-cache-size", 0
+    ) as server:
         expected = [server.chat(q, max_tokens=40)[0] for q in checks]
     with Server(model_path, "--decode-concurrency", 4) as server:
         for q in questions(3):
@@ -129,24 +137,85 @@ def completion(server, prompt, **extra):
 
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [5]}, "stop"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": [5]},
+        "stop",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": 5},
+        "stop",
+    ),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
     # Values only the sampler itself refuses, and values that are not numbers.
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "top_k": 1000000}, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "xtc_probability": 0.5, "xtc_threshold": 0.6}, "xtc_"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "min_p": NAN}, "min_p"),
-    ("/v1/completions", {"prompt": "hi", "xtc_probability": 0.5, "xtc_threshold": NAN}, "xtc_threshold"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0.7,
+            "top_k": 1000000,
+        },
+        "top_k",
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": "hi",
+            "temperature": 0.7,
+            "xtc_probability": 0.5,
+            "xtc_threshold": 0.6,
+        },
+        "xtc_",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0.7,
+            "min_p": NAN,
+        },
+        "min_p",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "xtc_probability": 0.5, "xtc_threshold": NAN},
+        "xtc_threshold",
+    ),
     ("/v1/completions", {"prompt": "hi", "temperature": INF}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": -INF}, "repetition_penalty"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NAN}}, "logit_bias"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "repetition_penalty": -INF},
+        "repetition_penalty",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NAN}},
+        "logit_bias",
+    ),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1e39}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "seed": -1}, "seed"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages[0].content[0]"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, "max_tokens must be at most"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 163840}, "max_tokens must be at most"),  # the context
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": {"text": "hi"}}]},
+        "messages[0].content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+        "messages[0].content[0]",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2**70},
+        "max_tokens must be at most",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 163840},
+        "max_tokens must be at most",
+    ),  # the context
 ]
 
 
@@ -171,10 +240,18 @@ def refused(model_path):
         not_utf8 = raw_post(server.port, "/v1/completions", b'{"prompt": "\xff\xfe"}')
         for t in threads:
             t.join()
-    return dict(answers=answers, not_utf8=not_utf8, served=served, errors=errors, expected=expected)
+    return dict(
+        answers=answers,
+        not_utf8=not_utf8,
+        served=served,
+        errors=errors,
+        expected=expected,
+    )
 
 
-@pytest.mark.parametrize("i", range(len(BAD_REQUESTS)), ids=[f for _, _, f in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "i", range(len(BAD_REQUESTS)), ids=[f for _, _, f in BAD_REQUESTS]
+)
 def test_a_bad_field_gets_400_naming_it_in_mlx_lms_error_body(i, refused):
     status, reply = refused["answers"][i]
     assert status == 400 and list(reply) == ["error"], reply
@@ -185,11 +262,15 @@ def test_a_body_that_is_not_utf8_gets_400(refused):
     reply = refused["not_utf8"]
     assert status_lines(reply) == ["HTTP/1.0 400 Bad Request"]
     body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
-    assert list(body) == ["error"] and body["error"].startswith("request body is not valid UTF-8")
+    assert list(body) == ["error"] and body["error"].startswith(
+        "request body is not valid UTF-8"
+    )
 
 
 def test_requests_in_flight_beside_bad_ones_complete_as_alone(refused):
-    assert refused["errors"] == [] and sorted(refused["served"]) == sorted(refused["expected"])
+    assert refused["errors"] == [] and sorted(refused["served"]) == sorted(
+        refused["expected"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +278,10 @@ def fresh(model_path):
     """What a fresh server answers: three streams alone, and the requests
     a failure must not change (greedy, sampled, seeded; streamed and not)."""
     with Server(model_path, "--decode-concurrency", 4) as server:
-        solo = [server.chat(q, max_tokens=60, **DISTINCT, **OWN_SAMPLER)[0] for q in questions(3)]
+        solo = [
+            server.chat(q, max_tokens=60, **DISTINCT, **OWN_SAMPLER)[0]
+            for q in questions(3)
+        ]
         return {"solo": solo, "served": served_as_fresh(server, questions(2))}
 
 
@@ -207,36 +291,55 @@ REFUSED_INSIDE_A_SAMPLER = [  # mlx-lm raises these inside a compiled sampler
 ]
 
 
-def test_after_a_refused_sampling_value_the_next_requests_are_served_as_on_a_fresh_server(model_path, fresh):
+def test_after_a_refused_sampling_value_the_next_requests_are_served_as_on_a_fresh_server(
+    model_path, fresh
+):
     with Server(model_path, "--decode-concurrency", 4) as server:
         after = []
         for bad in REFUSED_INSIDE_A_SAMPLER:
             for path in ("/v1/completions", "/v1/chat/completions"):
-                body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], **bad}
+                body = {
+                    "prompt": "hi",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    **bad,
+                }
                 status, _ = post_json(server.port, path, body)
                 after.append((status, served_as_fresh(server, questions(2))))
     assert after == [(400, fresh["served"])] * len(after)
 
 
-def test_a_request_whose_sampler_fails_in_a_batch_ends_alone_and_the_others_decode_as_alone(model_path, fresh):
+def test_a_request_whose_sampler_fails_in_a_batch_ends_alone_and_the_others_decode_as_alone(
+    model_path, fresh
+):
     # One row's sampler, ~13 steps in.
     with Server(model_path, "--decode-concurrency", 4, faults="sample:40") as server:
-        streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
+        streams = [
+            Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER)
+            for q in questions(3)
+        ]
         for s in streams:
             s.start()
         for s in streams:
             s.join()
         after = served_as_fresh(server, questions(2))
     failed = [s for s in streams if s.error is not None]
-    assert len(failed) == 1 and "InjectedFault" in failed[0].error, [s.error for s in streams]
-    assert all(s.text == fresh["solo"][i] for i, s in enumerate(streams) if s.error is None)
+    assert len(failed) == 1 and "InjectedFault" in failed[0].error, [
+        s.error for s in streams
+    ]
+    assert all(
+        s.text == fresh["solo"][i] for i, s in enumerate(streams) if s.error is None
+    )
     assert after == fresh["served"]
 
 
 def test_an_out_of_vocabulary_logit_bias_changes_no_later_answer(model_path):
     with Server(model_path, "--decode-concurrency", 4) as server:
         before = completion(server, "Alpha beta gamma", cache_prompt=False)
-        post_json(server.port, "/v1/completions", {"prompt": "x", "logit_bias": {"200000": 100}})
+        post_json(
+            server.port,
+            "/v1/completions",
+            {"prompt": "x", "logit_bias": {"200000": 100}},
+        )
         after = completion(server, "Alpha beta gamma", cache_prompt=False)
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
 
@@ -256,8 +359,14 @@ def test_cache_prompt_false_marks_its_own_request_only(model_path):
     with Server(model_path, "--decode-concurrency", 4) as server:
         results = {}
         threads = [
-            threading.Thread(target=lambda: results.update(a=server.chat(a, max_tokens=30, cache_prompt=False))),
-            threading.Thread(target=lambda: results.update(b=server.chat(b, max_tokens=30))),
+            threading.Thread(
+                target=lambda: results.update(
+                    a=server.chat(a, max_tokens=30, cache_prompt=False)
+                )
+            ),
+            threading.Thread(
+                target=lambda: results.update(b=server.chat(b, max_tokens=30))
+            ),
         ]
         for t in threads:
             t.start()
@@ -281,7 +390,9 @@ def test_a_failure_in_a_non_streamed_request_gets_one_http_status(model_path):
     assert status == 200 and after["choices"][0]["text"]
 
 
-def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(model_path, fresh, tmp_path):
+def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(
+    model_path, fresh, tmp_path
+):
     log = tmp_path / "server.log"
     huge = {  # never ends by itself: end of text is never sampled
         "messages": [{"role": "user", "content": questions(5)[4]}],
@@ -290,19 +401,30 @@ def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(mode
         "logit_bias": {"1": -100},
     }
     with Server(model_path, "--decode-concurrency", 4, log=log) as server:
-        streams = [Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER) for q in questions(3)]
+        streams = [
+            Stream(server, q, max_tokens=60, **DISTINCT, **OWN_SAMPLER)
+            for q in questions(3)
+        ]
         for s in streams:
             s.start()
         # Each client leaves once its request is generating.
-        hang_up(server.port, huge, linger=1.0)  # not streamed: nothing is written until the end
+        hang_up(
+            server.port, huge, linger=1.0
+        )  # not streamed: nothing is written until the end
         hang_up(server.port, {**huge, "stream": True}, after_bytes=300, linger=1.0)
         closed = time.time()
         for s in streams:
             s.join()
-        while time.time() - closed < 20 and log.read_text().count("its client is gone") < 2:
+        while (
+            time.time() - closed < 20
+            and log.read_text().count("its client is gone") < 2
+        ):
             time.sleep(0.2)
         after = served_as_fresh(server, questions(2))
-    cancelled = re.findall(r"cancelled the request (\S+) from \S+ after (\d+) tokens: its client is gone", log.read_text())
+    cancelled = re.findall(
+        r"cancelled the request (\S+) from \S+ after (\d+) tokens: its client is gone",
+        log.read_text(),
+    )
     assert [path for path, _ in cancelled] == ["/v1/chat/completions"] * 2
     assert all(int(n) < 2000 for _, n in cancelled), cancelled  # of 100000 asked for
     assert [s.text for s in streams] == fresh["solo"] and after == fresh["served"]
@@ -320,10 +442,21 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
         }
         status, reply = post_json(server.port, "/v1/chat/completions", body)
         assert status == 200, reply
-        return reply["choices"][0]["message"]["content"], reply["usage"]["prompt_tokens"]
+        return reply["choices"][0]["message"]["content"], reply["usage"][
+            "prompt_tokens"
+        ]
 
     def test_a_long_prompt_beside_short_streams_changes_none_of_their_texts(model_path):
-        flags = ["--kv-bits", 4, "--quantized-kv-start", START, "--decode-concurrency", 4, "--prompt-cache-size", 0]
+        flags = [
+            "--kv-bits",
+            4,
+            "--quantized-kv-start",
+            START,
+            "--decode-concurrency",
+            4,
+            "--prompt-cache-size",
+            0,
+        ]
         shorts = ["A", "B", "C"]
         long_text = (SYSTEM * 40)[:4096]
         with Server(model_path, *flags) as server:
@@ -337,7 +470,9 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
             def run(i):
                 beside[i] = short_chat(server, shorts[i])
 
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shorts))]
+            threads = [
+                threading.Thread(target=run, args=(i,)) for i in range(len(shorts))
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -360,5 +495,7 @@ def test_a_request_served_alone_whose_client_leaves_stops(model_path, tmp_path):
     with Server(model_path, log=log) as server:
         hang_up(server.port, body, linger=1.0)
         text, _ = server.chat(questions(2)[1], max_tokens=8, timeout=60)
-    cancelled = re.findall(r"cancelled the request \S+ from \S+ after (\d+) tokens", log.read_text())
+    cancelled = re.findall(
+        r"cancelled the request \S+ from \S+ after (\d+) tokens", log.read_text()
+    )
     assert len(cancelled) == 1 and int(cancelled[0]) < 2000 and text

@@ -29,7 +29,9 @@ def written(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "glm"
     out = subprocess.run(
         [sys.executable, "-m", "mlx_lm_mla", "tiny-model", str(path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     return path, out.stdout
@@ -62,7 +64,12 @@ def test_every_mla_model_type_generates_past_quantized_kv_start(
     model, tokenizer = mlx_lm.load(str(path))
     no_end = make_logits_processors(logit_bias={tiny.EOS_TOKEN_ID: -100.0})
     *_, last = mlx_lm.stream_generate(
-        model, tokenizer, "Hello", max_tokens=24, kv_bits=4, quantized_kv_start=16,
+        model,
+        tokenizer,
+        "Hello",
+        max_tokens=24,
+        kv_bits=4,
+        quantized_kv_start=16,
         logits_processors=no_end,
     )
     assert last.prompt_tokens + last.generation_tokens > 16
@@ -148,8 +155,12 @@ def readme_run(tmp_path_factory):
         port, log = str(free_port()), folder / f"server{prefix.strip()}.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                ["bash", "-c", prefix + server.replace("8080", port)], cwd=folder,
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                ["bash", "-c", prefix + server.replace("8080", port)],
+                cwd=folder,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         try:
             wait_until_up(proc, port)

@@ -28,7 +28,11 @@ TARGET = mlx_lm.__version__ == apply.TARGET
 
 
 def release_tree(dest, version=None):
-    shutil.copytree(Path(mlx_lm.__file__).parent, dest / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(mlx_lm.__file__).parent,
+        dest / "mlx_lm",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     if version is not None:
         (dest / "mlx_lm/_version.py").write_text(f'__version__ = "{version}"\n')
     return dest
@@ -37,7 +41,9 @@ def release_tree(dest, version=None):
 def run_apply(*args):
     return subprocess.run(
         [sys.executable, str(HERE.parent / "upstream/apply.py"), *map(str, args)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -49,7 +55,10 @@ def test_a_tree_that_is_not_mlx_lm_is_refused(tmp_path):
 def test_another_release_is_refused_by_name_and_left_as_it_was(tmp_path):
     tree = release_tree(tmp_path, "0.31.3")
     before = (tree / "mlx_lm/models/cache.py").read_text()
-    with pytest.raises(apply.UnfitTree, match=rf"is mlx-lm 0\.31\.3; the change is written for mlx-lm {apply.TARGET}"):
+    with pytest.raises(
+        apply.UnfitTree,
+        match=rf"is mlx-lm 0\.31\.3; the change is written for mlx-lm {apply.TARGET}",
+    ):
         apply.apply(tree)
     assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
@@ -84,7 +93,13 @@ def test_the_hub_stand_in_loads_offline(tmp_path):
         "import mlx_lm; m, t = mlx_lm.load('mlx-community/Qwen1.5-0.5B-Chat-4bit'); "
         "print(type(m).__module__, m.layers[0].self_attn.q_proj.bits)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["mlx_lm.models.qwen2", "4"]
 
@@ -112,7 +127,11 @@ if TARGET:
         # glm_moe_dsa takes DeepSeek-V3.2's caches: it defines none of its own.
         own = {f"models/{t}.py" for t in models} - {"models/glm_moe_dsa.py"}
         assert own <= names(*fix_only)
-        assert names(*fix_only) - own == {"models/cache.py", "models/base.py", "generate.py"}
+        assert names(*fix_only) - own == {
+            "models/cache.py",
+            "models/base.py",
+            "generate.py",
+        }
 
     def test_the_batch_variant_adds_the_server_and_nothing_outside(fix_only, series):
         assert names(*series) - names(*fix_only) == {"server.py"}
@@ -123,29 +142,48 @@ if TARGET:
         changed = apply.apply(tree)
         assert names(tree, changed) == {"models/cache.py", "generate.py", "server.py"}
         for name in names(*series):
-            assert (tree / "mlx_lm" / name).read_text() == (series[0] / "mlx_lm" / name).read_text()
-        with pytest.raises(apply.UnfitTree, match=r"has patch 1 .* and patch 2 .* already"):
+            assert (tree / "mlx_lm" / name).read_text() == (
+                series[0] / "mlx_lm" / name
+            ).read_text()
+        with pytest.raises(
+            apply.UnfitTree, match=r"has patch 1 .* and patch 2 .* already"
+        ):
             apply.apply(tree, patches=1)
 
     def test_a_patched_tree_is_refused(fix_only):
-        with pytest.raises(apply.UnfitTree, match=r"has patch 1 \(1-mla-latent-cache.patch\) already"):
+        with pytest.raises(
+            apply.UnfitTree, match=r"has patch 1 \(1-mla-latent-cache.patch\) already"
+        ):
             apply.apply(fix_only[0], patches=1)
 
     def test_a_tree_whose_files_differ_from_the_release_is_refused_by_file(tmp_path):
         tree = release_tree(tmp_path)
         base = tree / "mlx_lm/models/base.py"
-        base.write_text(base.read_text().replace('hasattr(cache, "bits")', 'hasattr(cache, "bits") '))
+        base.write_text(
+            base.read_text().replace(
+                'hasattr(cache, "bits")', 'hasattr(cache, "bits") '
+            )
+        )
         before = (tree / "mlx_lm/models/cache.py").read_text()
-        with pytest.raises(apply.UnfitTree, match=r"not mlx-lm .* as released: patch 1 .*mlx_lm/models/base\.py"):
+        with pytest.raises(
+            apply.UnfitTree,
+            match=r"not mlx-lm .* as released: patch 1 .*mlx_lm/models/base\.py",
+        ):
             apply.apply(tree)
         assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
     def test_a_tree_that_fails_the_second_patch_is_left_without_the_first(tmp_path):
         tree = release_tree(tmp_path)
         server = tree / "mlx_lm/server.py"
-        server.write_text(server.read_text().replace("and self.cli_args.kv_bits is None", "and not self.cli_args.kv_bits"))
+        server.write_text(
+            server.read_text().replace(
+                "and self.cli_args.kv_bits is None", "and not self.cli_args.kv_bits"
+            )
+        )
         before = (tree / "mlx_lm/models/cache.py").read_text()
-        with pytest.raises(apply.UnfitTree, match=r"as released: patch 2 .*mlx_lm/server\.py"):
+        with pytest.raises(
+            apply.UnfitTree, match=r"as released: patch 2 .*mlx_lm/server\.py"
+        ):
             apply.apply(tree)
         assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
@@ -159,9 +197,22 @@ if TARGET:
     def checks(tree, tmp_path, *files):
         env = {**os.environ, "MLX_LM_MLA_DISABLE": "1", "PYTHONPATH": str(tree)}
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=check_*.py",
-             *(str(HERE / "upstream_form" / f) for f in files)],
-            capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                "python_files=check_*.py",
+                *(str(HERE / "upstream_form" / f) for f in files),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            env=env,
+            cwd=tmp_path,
         )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
         assert " passed" in out.stdout.splitlines()[-1]

@@ -41,9 +41,13 @@ class UnfitTree(ValueError):
 
 def release(root):
     """The ``__version__`` that ``mlx_lm/_version.py`` under root assigns."""
-    tree = ast.parse((Path(root) / "mlx_lm" / "_version.py").read_text(encoding="utf-8"))
+    tree = ast.parse(
+        (Path(root) / "mlx_lm" / "_version.py").read_text(encoding="utf-8")
+    )
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "__version__" for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     return None
 
@@ -69,11 +73,21 @@ def over_budget(patch):
 def _git_apply(root, patch, *args):
     # GIT_CEILING_DIRECTORIES: a repository around DIR must not re-root the paths.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(Path(root).resolve().parent))
-    return subprocess.run(["git", "apply", *args, str(patch)], cwd=root, env=env, capture_output=True, text=True)
+    return subprocess.run(
+        ["git", "apply", *args, str(patch)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _errors(out):
-    return "; ".join(l.removeprefix("error: ") for l in out.stderr.splitlines() if l.startswith("error:"))
+    return "; ".join(
+        l.removeprefix("error: ")
+        for l in out.stderr.splitlines()
+        if l.startswith("error:")
+    )
 
 
 def _names(patches):
@@ -83,7 +97,17 @@ def _names(patches):
 def _has(root, scope):
     """How many patches of the series the tree has: the last one it has
     applies in reverse."""
-    return next((n for n in range(len(SERIES), 0, -1) if _git_apply(root, SERIES[n - 1], "--check", "--reverse", *scope).returncode == 0), 0)
+    return next(
+        (
+            n
+            for n in range(len(SERIES), 0, -1)
+            if _git_apply(
+                root, SERIES[n - 1], "--check", "--reverse", *scope
+            ).returncode
+            == 0
+        ),
+        0,
+    )
 
 
 def _fits(root, patches, scope):
@@ -93,7 +117,9 @@ def _fits(root, patches, scope):
         copy = Path(tmp) / "tree"
         for top in ("mlx_lm", "tests"):
             if (root / top).is_dir():
-                shutil.copytree(root / top, copy / top, ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(
+                    root / top, copy / top, ignore=shutil.ignore_patterns("__pycache__")
+                )
         for patch in patches:
             out = _git_apply(copy, patch, *scope)
             if out.returncode != 0:
@@ -109,10 +135,14 @@ def apply(root, patches=len(SERIES), check=False):
     if not 1 <= patches <= len(SERIES):
         raise UnfitTree(f"the series has patches 1 to {len(SERIES)}, not {patches}")
     if not (root / "mlx_lm" / "_version.py").is_file():
-        raise UnfitTree(f"{root} is not an mlx-lm source tree: it has no mlx_lm/_version.py")
+        raise UnfitTree(
+            f"{root} is not an mlx-lm source tree: it has no mlx_lm/_version.py"
+        )
     version = release(root)
     if version != TARGET:
-        raise UnfitTree(f"{root} is mlx-lm {version}; the change is written for mlx-lm {TARGET}")
+        raise UnfitTree(
+            f"{root} is mlx-lm {version}; the change is written for mlx-lm {TARGET}"
+        )
     scope = [] if (root / "tests").is_dir() else ["--include=mlx_lm/*"]
     have = _has(root, scope)
     if have >= patches:
@@ -120,15 +150,25 @@ def apply(root, patches=len(SERIES), check=False):
     todo = SERIES[have:patches]
     failed = _fits(root, todo, scope)
     if failed is not None:
-        base = f"mlx-lm {TARGET} as released" if have == 0 else f"mlx-lm {TARGET} with {_names(SERIES[:have])}"
+        base = (
+            f"mlx-lm {TARGET} as released"
+            if have == 0
+            else f"mlx-lm {TARGET} with {_names(SERIES[:have])}"
+        )
         raise UnfitTree(f"{root} is not {base}: {_names([failed[0]])}: {failed[1]}")
     changed = []
     for patch in todo:
-        changed += [root / l.split("\t")[2] for l in _git_apply(root, patch, "--numstat", *scope).stdout.splitlines() if l]
+        changed += [
+            root / l.split("\t")[2]
+            for l in _git_apply(root, patch, "--numstat", *scope).stdout.splitlines()
+            if l
+        ]
     if not check:
         for i, patch in enumerate(todo):
             done = _git_apply(root, patch, *scope)
-            if done.returncode != 0:  # fitted a copy just above: only a tree changed meanwhile
+            if (
+                done.returncode != 0
+            ):  # fitted a copy just above: only a tree changed meanwhile
                 for undo in reversed(todo[:i]):
                     _git_apply(root, undo, "--reverse", *scope)
                 raise UnfitTree(f"{root}: git apply failed: {done.stderr.strip()}")
@@ -136,11 +176,20 @@ def apply(root, patches=len(SERIES), check=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="upstream/apply.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="upstream/apply.py", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("dir", help=f"the folder that holds mlx_lm/ of mlx-lm {TARGET}")
-    p.add_argument("--patches", type=int, default=len(SERIES), metavar="N",
-                   help=f"apply the first N patches of the series (default: all {len(SERIES)})")
-    p.add_argument("--check", action="store_true", help="only say whether the patches fit")
+    p.add_argument(
+        "--patches",
+        type=int,
+        default=len(SERIES),
+        metavar="N",
+        help=f"apply the first N patches of the series (default: all {len(SERIES)})",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="only say whether the patches fit"
+    )
     args = p.parse_args(argv)
     try:
         changed = apply(args.dir, patches=args.patches, check=args.check)

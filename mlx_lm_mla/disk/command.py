@@ -44,9 +44,7 @@ def _files(folder):
             caches.append(size)
         elif temp_owner(name) and is_regular(path):
             temps.append(size)
-        elif not (
-            lock_owner(name) or name == MARKER or name.startswith(INDEX)
-        ):
+        elif not (lock_owner(name) or name == MARKER or name.startswith(INDEX)):
             other.append(name)
     return caches, temps, other
 

@@ -21,7 +21,8 @@ class ClientGone(RuntimeError):
 def ended(handler, state):
     logger.info(
         "mlx-lm-mla: cancelled %s after %d tokens: its client is gone",
-        _name(handler), state.tokens,
+        _name(handler),
+        state.tokens,
     )
 
 
@@ -45,7 +46,6 @@ def _closed(connection) -> bool:
 
 
 class Watch:
-
     def __init__(self, connection, state, name):
         self.connection, self.state, self.name = connection, state, name
         self.done = threading.Event()

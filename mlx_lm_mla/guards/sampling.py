@@ -191,9 +191,13 @@ class RowProcessor:
 def _shared(sampler):
     """Whether the builder hands this sampler to every request (greedy)."""
     qualname = getattr(sampler, "__qualname__", "<locals>")
-    return "<locals>" not in qualname and getattr(
-        sys.modules.get(getattr(sampler, "__module__", None)), qualname, None
-    ) is sampler
+    return (
+        "<locals>" not in qualname
+        and getattr(
+            sys.modules.get(getattr(sampler, "__module__", None)), qualname, None
+        )
+        is sampler
+    )
 
 
 def guarded_make_sampler(original):

@@ -507,7 +507,8 @@ def signature_problem(replacement, original):
     lacking = [
         q.name
         for q in theirs
-        if q.kind is q.VAR_POSITIONAL and _P.VAR_POSITIONAL not in kinds
+        if q.kind is q.VAR_POSITIONAL
+        and _P.VAR_POSITIONAL not in kinds
         or q.kind in (q.KEYWORD_ONLY, q.VAR_KEYWORD)
         and _P.VAR_KEYWORD not in kinds
         and q.name not in taken

@@ -27,23 +27,53 @@ def table():
     handler, generator = "APIHandler", "ResponseGenerator"
     fetch, insert = "LRUPromptCache.fetch_nearest_cache", "LRUPromptCache.insert_cache"
     return [
-        Patch(SERVER, f"{handler}.handle_completion", "wrap",
-              requests.guarded_completion, REQUEST_CHECKS),
+        Patch(
+            SERVER,
+            f"{handler}.handle_completion",
+            "wrap",
+            requests.guarded_completion,
+            REQUEST_CHECKS,
+        ),
         # One wrapper of _tokenize: the request's checks, then its cache policy.
-        Patch(SERVER, f"{generator}._tokenize", "wrap",
-              lambda f: reuse.no_store_tokenize(requests.checked_tokenize(f, server)),
-              REQUEST_CHECKS),
-        Patch(SERVER, f"{handler}._set_completion_headers", "wrap",
-              requests.bad_request_status, BAD_REQUESTS),
-        Patch(SERVER, f"{handler}.validate_model_parameters", "wrap",
-              requests.refused_parameters, BAD_REQUESTS),
-        Patch(SERVER, f"{handler}.do_POST", "wrap", requests.answered_post,
-              BAD_REQUESTS),
+        Patch(
+            SERVER,
+            f"{generator}._tokenize",
+            "wrap",
+            lambda f: reuse.no_store_tokenize(requests.checked_tokenize(f, server)),
+            REQUEST_CHECKS,
+        ),
+        Patch(
+            SERVER,
+            f"{handler}._set_completion_headers",
+            "wrap",
+            requests.bad_request_status,
+            BAD_REQUESTS,
+        ),
+        Patch(
+            SERVER,
+            f"{handler}.validate_model_parameters",
+            "wrap",
+            requests.refused_parameters,
+            BAD_REQUESTS,
+        ),
+        Patch(
+            SERVER, f"{handler}.do_POST", "wrap", requests.answered_post, BAD_REQUESTS
+        ),
         # The server batches MLA models under --kv-bits; BatchGenerator quantizes.
-        Patch(SERVER, f"{generator}._is_batchable", "wrap", batchable_with_kv_bits,
-              KV_BATCHING),
-        Patch(SERVER, f"{generator}._generate", "wrap", generate_with_kv_settings,
-              KV_BATCHING),
+        Patch(
+            SERVER,
+            f"{generator}._is_batchable",
+            "wrap",
+            batchable_with_kv_bits,
+            KV_BATCHING,
+        ),
+        Patch(
+            SERVER,
+            f"{generator}._generate",
+            "wrap",
+            generate_with_kv_settings,
+            KV_BATCHING,
+        ),
         Patch(GENERATE, "BatchGenerator._next", "wrap", quantizing_next, KV_BATCHING),
         Patch(CACHE, fetch, "wrap", reuse.guarded_fetch, REUSE),
         Patch(CACHE, insert, "wrap", reuse.guarded_insert, REUSE),
@@ -53,13 +83,28 @@ def table():
         Patch(SERVER, "run", "wrap", disk.with_tier, DISK),
         # main() makes its parser through this module global: the flags join it.
         Patch(SERVER, "argparse", "set", disk.server_argparse, DISK),
-        Patch(SERVER, f"{generator}._next_request", "wrap",
-              recovery.tracked_next_request, RECOVERY),
-        Patch(SERVER, f"{generator}._generate", "wrap", recovery.supervised_generate,
-              RECOVERY),
+        Patch(
+            SERVER,
+            f"{generator}._next_request",
+            "wrap",
+            recovery.tracked_next_request,
+            RECOVERY,
+        ),
+        Patch(
+            SERVER,
+            f"{generator}._generate",
+            "wrap",
+            recovery.supervised_generate,
+            RECOVERY,
+        ),
         Patch(SERVER, "_make_sampler", "wrap", sampling.guarded_make_sampler, SAMPLING),
-        Patch(SERVER, "_make_logits_processors", "wrap",
-              sampling.guarded_make_logits_processors, SAMPLING),
+        Patch(
+            SERVER,
+            "_make_logits_processors",
+            "wrap",
+            sampling.guarded_make_logits_processors,
+            SAMPLING,
+        ),
     ]
 
 

@@ -38,7 +38,15 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm_mla import tiny
 
 from conftest import leaves
-from serving import RequestFailed, Server, cached_tokens, four_clients, questions, save_served_model, server_supports
+from serving import (
+    RequestFailed,
+    Server,
+    cached_tokens,
+    four_clients,
+    questions,
+    save_served_model,
+    server_supports,
+)
 
 HERE = Path(__file__).parent
 RANKS = 2
@@ -57,7 +65,9 @@ def _capabilities(model_type):
         modes.append("pipeline")
     if hasattr(model, "shard"):
         modes.append("tensor")
-    window = any(isinstance(c, RotatingKVCache) for c in leaves(make_prompt_cache(model, WINDOW)))
+    window = any(
+        isinstance(c, RotatingKVCache) for c in leaves(make_prompt_cache(model, WINDOW))
+    )
     return modes, window
 
 
@@ -73,7 +83,11 @@ WINDOW = ranks.WINDOW
 PREFIX = len(ranks.PREFIX)  # tokens each later request shares with the first
 
 CAPABILITIES = {t: _capabilities(t) for t in CONFIGS}
-MODES = [m for m in ("pipeline", "tensor") if any(m in modes for modes, _ in CAPABILITIES.values())]
+MODES = [
+    m
+    for m in ("pipeline", "tensor")
+    if any(m in modes for modes, _ in CAPABILITIES.values())
+]
 # plain latent KVCaches, also tested at 8 bits
 QUANTIZABLE = ["glm4_moe_lite", "deepseek_v3"]
 WINDOWED = [t for t in CONFIGS if CAPABILITIES[t][1]]
@@ -89,7 +103,11 @@ def cases(model_types, mode=None):
 
 
 def scenarios(model_type):
-    names = ["reuse_kv4", "reuse_kv8", "batch"] if model_type in QUANTIZABLE else ["reuse_kv4", "batch"]
+    names = (
+        ["reuse_kv4", "reuse_kv8", "batch"]
+        if model_type in QUANTIZABLE
+        else ["reuse_kv4", "batch"]
+    )
     return names + (["window_kv4"] if model_type in WINDOWED else [])
 
 
@@ -126,7 +144,12 @@ def launch(script, *args, disabled=False, log):
     cmd += ["--python", sys.executable, "--", str(script), *map(str, args)]
     # stdin: a pipe never written, so the launcher's select on it waits
     return subprocess.Popen(
-        cmd, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -152,7 +175,9 @@ class Run:
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "launch.log"
         with open(self.log_path, "w") as log:
-            proc = launch(HERE / "ranks.py", out, mode, *models, disabled=disabled, log=log)
+            proc = launch(
+                HERE / "ranks.py", out, mode, *models, disabled=disabled, log=log
+            )
             try:
                 proc.wait(timeout=TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -173,8 +198,13 @@ class Run:
     def results(self, model_type, scenario):
         """(rank's result, one-process result) for every rank; each must be there."""
         key = f"{model_type}/{scenario}"
-        pairs = [(report.get("results", {}).get(key), self.references.get(key)) for report in self.reports]
-        assert all(got is not None and ref is not None for got, ref in pairs), self.log()
+        pairs = [
+            (report.get("results", {}).get(key), self.references.get(key))
+            for report in self.reports
+        ]
+        assert all(got is not None and ref is not None for got, ref in pairs), (
+            self.log()
+        )
         for got, ref in pairs:
             assert "error" not in got, got.get("traceback")
             assert "error" not in ref, ref.get("traceback")
@@ -195,7 +225,9 @@ def runs(model_dirs, tmp_path_factory):
     def get(mode):
         if mode not in made:
             specs = [
-                f"{model_dirs[t]}={','.join(scenarios(t))}" for t in CONFIGS if mode in CAPABILITIES[t][0]
+                f"{model_dirs[t]}={','.join(scenarios(t))}"
+                for t in CONFIGS
+                if mode in CAPABILITIES[t][0]
             ]
             made[mode] = Run(tmp_path_factory.mktemp(f"run-{mode}"), mode, specs)
         return made[mode]
@@ -217,7 +249,9 @@ def test_every_rank_runs_with_the_fix_to_the_end(mode, runs):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("mode, model_type", cases(QUANTIZABLE))
-def test_kv_bits_with_prompt_cache_reuse_give_the_tokens_of_one_process(mode, model_type, bits, runs):
+def test_kv_bits_with_prompt_cache_reuse_give_the_tokens_of_one_process(
+    mode, model_type, bits, runs
+):
     for got, ref in runs(mode).results(model_type, f"reuse_kv{bits}"):
         assert got["tokens"] == ref["tokens"]
         assert got["reused"] == [0, PREFIX, PREFIX]  # the later requests hit the cache
@@ -232,7 +266,9 @@ def test_every_rank_quantizes_its_latent_in_place(mode, model_type, bits, runs):
 
 
 @pytest.mark.parametrize("mode, model_type", cases(["deepseek_v32"]))
-def test_a_cache_list_model_quantizes_and_reuses_its_prompt_cache_like_one_process(mode, model_type, runs):
+def test_a_cache_list_model_quantizes_and_reuses_its_prompt_cache_like_one_process(
+    mode, model_type, runs
+):
     for got, ref in runs(mode).results(model_type, "reuse_kv4"):
         assert got["tokens"] == ref["tokens"]
         assert got["reused"] == [0, PREFIX, PREFIX]
@@ -252,23 +288,31 @@ def test_under_pipeline_each_rank_holds_only_its_own_layers(mode, model_type, ru
 
 
 @pytest.mark.parametrize("mode, model_type", cases(CONFIGS, "tensor"))
-def test_under_tensor_parallel_every_rank_holds_the_whole_latent(mode, model_type, runs):
+def test_under_tensor_parallel_every_rank_holds_the_whole_latent(
+    mode, model_type, runs
+):
     # one latent head cannot be split over ranks: each holds it for every layer
     run = runs(mode)
     for got, ref in run.results(model_type, "reuse_kv4"):
-        assert got["layers"] == ref["layers"] == run.reports[0]["total_layers"][model_type]
+        assert (
+            got["layers"] == ref["layers"] == run.reports[0]["total_layers"][model_type]
+        )
         assert got["bytes"] == ref["bytes"]
 
 
 @pytest.mark.parametrize("mode, model_type", cases(CONFIGS))
-def test_a_batch_whose_rows_finish_at_different_steps_matches_each_row_alone(mode, model_type, runs):
+def test_a_batch_whose_rows_finish_at_different_steps_matches_each_row_alone(
+    mode, model_type, runs
+):
     for got, ref in runs(mode).results(model_type, "batch"):
         assert got["tokens"] == ref["tokens"]
         assert len(set(got["finished_at"])) == len(got["finished_at"])
 
 
 @pytest.mark.parametrize("mode, model_type", cases(WINDOWED))
-def test_a_rolling_window_quantizes_stays_its_size_and_matches_one_process(mode, model_type, runs):
+def test_a_rolling_window_quantizes_stays_its_size_and_matches_one_process(
+    mode, model_type, runs
+):
     for got, ref in runs(mode).results(model_type, "window_kv4"):
         assert got["tokens"] == ref["tokens"]
         assert got["positions"] == [WINDOW]
@@ -279,10 +323,18 @@ def test_a_rolling_window_quantizes_stays_its_size_and_matches_one_process(mode,
 
 
 @pytest.mark.parametrize("mode, model_type", cases(["glm4_moe_lite"]))
-def test_without_the_package_kv_bits_with_reuse_fail_on_every_rank(mode, model_type, model_dirs, tmp_path):
-    run = Run(tmp_path / "stock", mode, [f"{model_dirs[model_type]}=reuse_kv4"], disabled=True)
-    assert len(run.reports) == RANKS and not any(r.get("fix_installed", True) for r in run.reports), run.log()
-    errors = [r["results"][f"{model_type}/reuse_kv4"].get("error", "") for r in run.reports]
+def test_without_the_package_kv_bits_with_reuse_fail_on_every_rank(
+    mode, model_type, model_dirs, tmp_path
+):
+    run = Run(
+        tmp_path / "stock", mode, [f"{model_dirs[model_type]}=reuse_kv4"], disabled=True
+    )
+    assert len(run.reports) == RANKS and not any(
+        r.get("fix_installed", True) for r in run.reports
+    ), run.log()
+    errors = [
+        r["results"][f"{model_type}/reuse_kv4"].get("error", "") for r in run.reports
+    ]
     assert all(SWAPAXES in e for e in errors), errors
 
 
@@ -300,7 +352,15 @@ class LaunchedServer(Server):
     def __init__(self, model_path, *flags, log, disabled=False):
         self.port = free_port_for_http()
         self.log = open(log, "w")
-        args = ["--model", model_path, "--host", "127.0.0.1", "--port", self.port, *flags]
+        args = [
+            "--model",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            self.port,
+            *flags,
+        ]
         self.proc = launch(HERE / "serve.py", *args, disabled=disabled, log=self.log)
         try:
             self._wait(timeout=120)
@@ -320,7 +380,9 @@ def free_port_for_http():
 
 
 @pytest.mark.parametrize("bits", SERVER_BITS, ids=lambda b: f"kv{b}" if b else "exact")
-def test_a_pipeline_server_serves_four_concurrent_clients_with_prompt_cache_hits(bits, tmp_path):
+def test_a_pipeline_server_serves_four_concurrent_clients_with_prompt_cache_hits(
+    bits, tmp_path
+):
     model_path = save_served_model(tmp_path / "glm")
     flags = ["--pipeline", "--decode-concurrency", 4]
     if bits:
@@ -336,7 +398,9 @@ def test_a_pipeline_server_serves_four_concurrent_clients_with_prompt_cache_hits
 
 if SERVER_BITS != [None]:  # defined only where the server has --kv-bits, not skipped
 
-    def test_without_the_package_a_pipeline_server_fails_every_kv_bits_request(tmp_path):
+    def test_without_the_package_a_pipeline_server_fails_every_kv_bits_request(
+        tmp_path,
+    ):
         model_path = save_served_model(tmp_path / "glm")
         flags = ["--pipeline", "--kv-bits", 4, "--quantized-kv-start", START]
         log = tmp_path / "server.log"

@@ -64,7 +64,9 @@ def holdings(cache):
         "layers": len(cache),
         "bytes": sum(c.nbytes for c in leaves(cache)),
         "classes": sorted({type(c).__name__ for c in leaves(cache)}),
-        "positions": sorted({c.keys.shape[2] for c in leaves(cache) if c.keys is not None}),
+        "positions": sorted(
+            {c.keys.shape[2] for c in leaves(cache) if c.keys is not None}
+        ),
     }
 
 
@@ -90,7 +92,10 @@ def reuse(model, bits):
     history, tokens, reused = [], [], []
     for prompt in REQUESTS:
         common = 0
-        while common < min(len(history), len(prompt) - 1) and history[common] == prompt[common]:
+        while (
+            common < min(len(history), len(prompt) - 1)
+            and history[common] == prompt[common]
+        ):
             common += 1
         trim_prompt_cache(cache, offset(cache) - common)
         out = generate(model, cache, prompt[common:], bits)
@@ -119,7 +124,10 @@ def batch(model):
             if r.finish_reason is not None:
                 finished_at[r.uid] = step
     gen.close()
-    return {"tokens": [got[u] for u in uids], "finished_at": [finished_at.get(u) for u in uids]}
+    return {
+        "tokens": [got[u] for u in uids],
+        "finished_at": [finished_at.get(u) for u in uids],
+    }
 
 
 def alone(model):
@@ -147,7 +155,10 @@ def attempt(scenario, model):
     try:
         return scenario(model)
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        return {
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
 
 
 def failures(failed):
@@ -194,7 +205,9 @@ def main():
         keys = [f"{config['model_type']}/{name}" for name in names]
         for i, (key, name) in enumerate(zip(keys, names)):
             if i % size == rank:  # the ranks share the one-process runs
-                report["references"][key] = attempt(REFERENCE.get(name, SCENARIOS[name]), whole)
+                report["references"][key] = attempt(
+                    REFERENCE.get(name, SCENARIOS[name]), whole
+                )
         del whole
         groups = {f"{args.mode}_group": group}
         model, _ = sharded_load(model_dir, **groups)

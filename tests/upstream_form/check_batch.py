@@ -53,7 +53,9 @@ def run(gen, prompts, caches=None):
 def test_batching_without_kv_bits_decodes_as_alone(model_type):
     model, _ = tiny.build_model(model_type)
     prompts = [PROMPT[:7], PROMPT[3:15]]
-    alone = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=4)] for p in prompts]
+    alone = [
+        [t for t, _ in generate_step(mx.array(p), model, max_tokens=4)] for p in prompts
+    ]
     tokens, caches = run(BatchGenerator(model, max_tokens=4), prompts)
     assert tokens == alone
     made = [type(c) for c in leaves(make_prompt_cache(model))]
@@ -71,20 +73,35 @@ def test_merged_rows_extract_as_latent_caches_and_decode_quantized(model_type):
     for i, row in enumerate(rows):
         got = [c.extract(i) for c in batch]
         assert [type(c) for c in leaves(got)] == [type(c) for c in leaves(row)]
-        steps = generate_step(mx.array([7]), model, prompt_cache=got, max_tokens=3, kv_bits=4, quantized_kv_start=0)
+        steps = generate_step(
+            mx.array([7]),
+            model,
+            prompt_cache=got,
+            max_tokens=3,
+            kv_bits=4,
+            quantized_kv_start=0,
+        )
         assert len(list(steps)) == 3
-        assert all(type(c) is cache.QuantizedMLALatentCache for c in got if isinstance(c, LATENT))
+        assert all(
+            type(c) is cache.QuantizedMLALatentCache
+            for c in got
+            if isinstance(c, LATENT)
+        )
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "kimi_linear"])
 def test_batch_generator_quantizes_every_row_of_a_batch(model_type):
     model, _ = tiny.build_model(model_type, **WIDE)
-    gen = BatchGenerator(model, max_tokens=6, kv_bits=8, quantized_kv_start=16, prefill_step_size=8)
+    gen = BatchGenerator(
+        model, max_tokens=6, kv_bits=8, quantized_kv_start=16, prefill_step_size=8
+    )
     tokens, caches = run(gen, [PROMPT, PROMPT[:5]])
     assert [len(t) for t in tokens] == [6, 6]
     for row in caches:  # the short row too: it shared the batch
         latent = [c for c in row if isinstance(c, LATENT)]
-        assert latent and all(type(c) is cache.QuantizedMLALatentCache and c.bits == 8 for c in latent)
+        assert latent and all(
+            type(c) is cache.QuantizedMLALatentCache and c.bits == 8 for c in latent
+        )
 
 
 def test_an_exact_batch_that_takes_a_quantized_row_is_quantized():
@@ -109,7 +126,10 @@ def test_rows_of_two_formats_are_refused_by_name():
         c.update_and_fetch(mx.ones((1, 1, 3, 512)), mx.ones((1, 1, 3, 64)))
         return c.to_quantized(group_size=group_size, bits=bits)
 
-    with pytest.raises(ValueError, match=r"MLA latent rows quantized differently: \[\(32, 4\), \(64, 8\)\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"MLA latent rows quantized differently: \[\(32, 4\), \(64, 8\)\]",
+    ):
         cache.MLALatentCache.merge([row(8, 64), cache.MLALatentCache(), row(4, 32)])
 
 
@@ -119,7 +139,11 @@ def test_float32_and_bfloat16_rows_decode_in_one_batch():
     for c in rows[0]:  # as a float32 run of the model saved it
         c.keys, c.values = c.keys.astype(mx.float32), c.values.astype(mx.float32)
     for bits in (None, 8):
-        layers = rows if bits is None else [[c.to_quantized(group_size=64, bits=8) for c in r] for r in rows]
+        layers = (
+            rows
+            if bits is None
+            else [[c.to_quantized(group_size=64, bits=8) for c in r] for r in rows]
+        )
         batch = [type(layer[0]).merge(list(layer)) for layer in zip(*layers)]
         logits = model(mx.array([[3], [5]]), cache=batch)
         assert mx.isfinite(logits).all().item()
@@ -136,10 +160,18 @@ def test_batch_generator_refuses_kv_bits_where_a_cache_cannot_quantize_in_a_batc
 
 
 def _stream(port, prompt, times, together):
-    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0.0, "stream": True,
-            "logit_bias": {str(tiny.EOS_TOKEN_ID): -100}}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "prompt": prompt,
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "stream": True,
+        "logit_bias": {str(tiny.EOS_TOKEN_ID): -100},
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     together.wait()
     with urllib.request.urlopen(request, timeout=120) as response:
         for line in response:

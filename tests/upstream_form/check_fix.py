@@ -18,7 +18,11 @@ import mlx.core as mx
 import mlx_lm.models.cache as cache
 import pytest
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 import mlx_lm_mla
 from mlx_lm_mla import tiny
@@ -50,22 +54,34 @@ def quantizing(caches):
     """The latent caches that kv_bits quantizes: those a layer holds itself.
     A CacheList (DeepSeek-V3.2's latent and indexer, LongCat's two latents)
     does not quantize, as released."""
-    return [c for c in caches if isinstance(c, (cache.MLALatentCache, cache.QuantizedMLALatentCache))]
+    return [
+        c
+        for c in caches
+        if isinstance(c, (cache.MLALatentCache, cache.QuantizedMLALatentCache))
+    ]
 
 
 def serve(model, caches, history, prompt, bits, max_tokens=12):
     """One request the way a server reuses its cache: trim to the common
     prefix, process the rest, remember what the cache now holds."""
     common = 0
-    while common < min(len(history), len(prompt) - 1) and history[common] == prompt[common]:
+    while (
+        common < min(len(history), len(prompt) - 1)
+        and history[common] == prompt[common]
+    ):
         common += 1
     if can_trim_prompt_cache(caches):
         trim_prompt_cache(caches, offset(caches) - common)
     elif common < len(history):  # a hybrid's state cannot be trimmed: start afresh
         caches[:], common = make_prompt_cache(model), 0
     steps = generate_step(
-        mx.array(prompt[common:]), model, prompt_cache=caches, max_tokens=max_tokens,
-        kv_bits=bits, kv_group_size=64, quantized_kv_start=START,
+        mx.array(prompt[common:]),
+        model,
+        prompt_cache=caches,
+        max_tokens=max_tokens,
+        kv_bits=bits,
+        kv_group_size=64,
+        quantized_kv_start=START,
     )
     out = [t for t, _ in steps]
     return (prompt + out)[: offset(caches)], out
@@ -73,7 +89,9 @@ def serve(model, caches, history, prompt, bits, max_tokens=12):
 
 def requests(n):
     prefix = [(3 * i + 11) % 190 + 5 for i in range(30)]
-    return [prefix + [(7 * r + j) % 190 + 5 for j in range(2 + r % 9)] for r in range(n)]
+    return [
+        prefix + [(7 * r + j) % 190 + 5 for j in range(2 + r % 9)] for r in range(n)
+    ]
 
 
 def prefilled(model, tokens, **kwargs):
@@ -91,7 +109,9 @@ def test_the_patched_tree_runs_alone():
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
 def test_every_latent_attention_gets_an_mla_latent_cache(model_type):
     model, _ = tiny.build_model(model_type)
-    latent = [c for c in leaves(make_prompt_cache(model)) if type(c) is cache.MLALatentCache]
+    latent = [
+        c for c in leaves(make_prompt_cache(model)) if type(c) is cache.MLALatentCache
+    ]
     assert len(latent) == latent_attention(model) > 0
 
 
@@ -105,7 +125,10 @@ def test_reuse_under_kv_bits_serves_every_request(model_type):
     for prompt in requests(4):
         history, out = serve(model, caches, history, prompt, 4)
         assert len(out) == 12
-    assert all(type(c) is cache.QuantizedMLALatentCache and c.bits == 4 for c in quantizing(caches))
+    assert all(
+        type(c) is cache.QuantizedMLALatentCache and c.bits == 4
+        for c in quantizing(caches)
+    )
 
 
 class FakeQuantizedLatent(cache.MLALatentCache):
@@ -121,11 +144,16 @@ class FakeQuantizedLatent(cache.MLALatentCache):
     def to_quantized(self, group_size, bits):
         if self.bits is None:
             self.bits, n = bits, self.offset
-            self.keys, self.values = self.fake(self.keys[..., :n, :]), self.values[..., :n, :]
+            self.keys, self.values = (
+                self.fake(self.keys[..., :n, :]),
+                self.values[..., :n, :],
+            )
         return self
 
     def update_and_fetch(self, latent, rope):
-        return super().update_and_fetch(latent if self.bits is None else self.fake(latent), rope)
+        return super().update_and_fetch(
+            latent if self.bits is None else self.fake(latent), rope
+        )
 
 
 def decoded(model, caches, bits):
@@ -141,7 +169,9 @@ def decoded(model, caches, bits):
 def test_logits_match_a_full_forward(model_type):
     model, _ = tiny.build_model(model_type)
     full = model(mx.array([PROMPT]))
-    assert mx.allclose(decoded(model, make_prompt_cache(model), None), full, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(
+        decoded(model, make_prompt_cache(model), None), full, atol=1e-4, rtol=1e-4
+    ).item()
 
 
 @pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
@@ -150,7 +180,10 @@ def test_quantized_logits_equal_a_fake_quantized_latent(model_type, bits):
     """Bit for bit: the model reads the latent quantized and dequantized, the
     RoPE key exact, from the tokens the cache held before it quantized on."""
     model, _ = tiny.build_model(model_type)
-    fake = [FakeQuantizedLatent() if type(c) is cache.MLALatentCache else c for c in make_prompt_cache(model)]
+    fake = [
+        FakeQuantizedLatent() if type(c) is cache.MLALatentCache else c
+        for c in make_prompt_cache(model)
+    ]
     caches = make_prompt_cache(model)
     assert mx.array_equal(decoded(model, caches, bits), decoded(model, fake, bits))
     held = [[getattr(c, "bits", None) for c in quantizing(x)] for x in (caches, fake)]
@@ -176,9 +209,15 @@ def test_max_kv_size_windows_every_latent_a_layer_holds(model_type):
         else:
             assert type(w) is type(c)
     caches = prefilled(model, PROMPT * 2, max_kv_size=16)
-    assert all(c.keys.shape[2] <= 16 + len(PROMPT * 2) - 1 for c in caches if type(c) is cache.RotatingKVCache)
+    assert all(
+        c.keys.shape[2] <= 16 + len(PROMPT * 2) - 1
+        for c in caches
+        if type(c) is cache.RotatingKVCache
+    )
     model(mx.array([[7]]), cache=caches)
-    assert all(c.keys.shape[2] == 16 for c in caches if type(c) is cache.RotatingKVCache)
+    assert all(
+        c.keys.shape[2] == 16 for c in caches if type(c) is cache.RotatingKVCache
+    )
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "deepseek_v32", "kimi_linear"])
@@ -197,7 +236,11 @@ def test_save_and_load_continue_exactly(model_type, bits, tmp_path):
 
 def test_an_empty_latent_cache_quantizes_to_an_empty_one():
     empty = cache.MLALatentCache().to_quantized(group_size=64, bits=4)
-    assert type(empty) is cache.QuantizedMLALatentCache and empty.empty() and empty.offset == 0
+    assert (
+        type(empty) is cache.QuantizedMLALatentCache
+        and empty.empty()
+        and empty.offset == 0
+    )
 
 
 def test_a_quantized_latent_is_not_requantized_to_another_format():
@@ -205,26 +248,59 @@ def test_a_quantized_latent_is_not_requantized_to_another_format():
     latent.update_and_fetch(mx.ones((1, 1, 3, 512)), mx.ones((1, 1, 3, 64)))
     quantized = latent.to_quantized(group_size=64, bits=4)
     assert quantized.to_quantized(group_size=64, bits=4) is quantized
-    with pytest.raises(ValueError, match="quantized to 4 bits in groups of 64; it cannot take 8 bits"):
+    with pytest.raises(
+        ValueError, match="quantized to 4 bits in groups of 64; it cannot take 8 bits"
+    ):
         quantized.to_quantized(group_size=64, bits=8)
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "kimi_linear"])
 def test_a_hand_built_kv_cache_is_refused_under_kv_bits_and_served_without(model_type):
     model, _ = tiny.build_model(model_type, **WIDE)
-    hand_built = [cache.KVCache() if type(c) is cache.MLALatentCache else c for c in make_prompt_cache(model)]
-    with pytest.raises(ValueError, match=r"caches an MLA latent \(MLALatentCache\), but the prompt cache holds a KVCache"):
-        list(generate_step(mx.array(PROMPT), model, prompt_cache=hand_built, max_tokens=2, kv_bits=4,
-                           quantized_kv_start=0))
+    hand_built = [
+        cache.KVCache() if type(c) is cache.MLALatentCache else c
+        for c in make_prompt_cache(model)
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"caches an MLA latent \(MLALatentCache\), but the prompt cache holds a KVCache",
+    ):
+        list(
+            generate_step(
+                mx.array(PROMPT),
+                model,
+                prompt_cache=hand_built,
+                max_tokens=2,
+                kv_bits=4,
+                quantized_kv_start=0,
+            )
+        )
     alone = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)]
-    assert [t for t, _ in generate_step(mx.array(PROMPT), model, prompt_cache=hand_built, max_tokens=4)] == alone
+    assert [
+        t
+        for t, _ in generate_step(
+            mx.array(PROMPT), model, prompt_cache=hand_built, max_tokens=4
+        )
+    ] == alone
 
 
 def _generate(path, *flags):
     return subprocess.run(
-        [sys.executable, "-m", "mlx_lm.generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2",
-         *map(str, flags)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm.generate",
+            "--model",
+            str(path),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+            *map(str, flags),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -237,8 +313,12 @@ def test_generate_refuses_a_prompt_cache_file_saved_by_the_release(tmp_path):
     released = [cache.KVCache() for _ in model.layers]
     model(mx.array([PROMPT]), cache=released)
     file = tmp_path / "c.safetensors"
-    cache.save_prompt_cache(str(file), released, {"model": str(path), "tokenizer_config": "{}"})
-    out = _generate(path, "--prompt-cache-file", file, "--kv-bits", "4", "--quantized-kv-start", "0")
+    cache.save_prompt_cache(
+        str(file), released, {"model": str(path), "tokenizer_config": "{}"}
+    )
+    out = _generate(
+        path, "--prompt-cache-file", file, "--kv-bits", "4", "--quantized-kv-start", "0"
+    )
     assert out.returncode != 0
     assert "A prompt cache saved by an earlier mlx-lm must be made again" in out.stderr
     assert "swapaxes" not in out.stderr
@@ -250,6 +330,13 @@ def test_generate_refuses_a_prompt_cache_file_quantized_otherwise(tmp_path):
     caches = prefilled(model, PROMPT)
     maybe_quantize_kv_cache(caches, 0, 64, 4)
     file = tmp_path / "c.safetensors"
-    cache.save_prompt_cache(str(file), caches, {"model": str(path), "tokenizer_config": "{}"})
-    out = _generate(path, "--prompt-cache-file", file, "--kv-bits", "8", "--quantized-kv-start", "0")
-    assert out.returncode != 0 and "quantized to 4 bits in groups of 64; it cannot take 8 bits" in out.stderr
+    cache.save_prompt_cache(
+        str(file), caches, {"model": str(path), "tokenizer_config": "{}"}
+    )
+    out = _generate(
+        path, "--prompt-cache-file", file, "--kv-bits", "8", "--quantized-kv-start", "0"
+    )
+    assert (
+        out.returncode != 0
+        and "quantized to 4 bits in groups of 64; it cannot take 8 bits" in out.stderr
+    )
