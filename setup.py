@@ -51,8 +51,15 @@ setup(
         "cpu": [MLX_LM.format(extra="[cpu]")],
         "cuda12": [MLX_LM.format(extra="[cuda12]")],
         "cuda13": [MLX_LM.format(extra="[cuda13]")],
-        # requests: mlx-lm's test_server.py; pytest-xdist: the README's test command
-        "test": ["pytest", "pytest-xdist", "hypothesis", "requests"],
+        # requests: mlx-lm's test_server.py; pytest-xdist: the README's test command;
+        # ruff: the formatter (its style changes only between minor releases)
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "hypothesis",
+            "requests",
+            "ruff>=0.17,<0.18",
+        ],
     },
     cmdclass={"build_py": build_py_with_pth},
     entry_points={"console_scripts": ["mlx-lm-mla=mlx_lm_mla.__main__:main"]},

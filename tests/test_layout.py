@@ -2,6 +2,8 @@
 test kit that the runtime never loads and LM Studio never receives."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx_lm_mla
@@ -135,3 +137,14 @@ def test_no_two_modules_of_different_concerns_share_a_file_name():
         if path.name != "__init__.py":
             names.setdefault(path.name, []).append(name)
     assert {n: m for n, m in names.items() if len(m) > 1} == {}
+
+
+def test_the_code_is_as_ruff_formats_it_at_88_columns():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
