@@ -17,7 +17,8 @@ Fails if a test that passes on the release does not pass the other two ways,
 except, for ``active``, the tests the README lists under
 ``<!-- changed-upstream-tests -->`` (behaviour the package changes on
 purpose); a listed test that passes anyway fails the stage too, so the list
-stays true. Every test a patched tree adds must pass on it. The Hugging
+stays true. Every test a patched tree adds must pass on it, and fail on
+the tree before its patch (the release, or patch 1 alone). The Hugging
 Face model most of these tests load is stood in for by a tiny random one of
 its architecture, written into a local hub cache under its id
 (``tiny.write_hub_stand_in``), so they run offline; the tests that need the
@@ -165,6 +166,7 @@ def main():
             whole,
         )
     listed = changed_on_purpose()
+    added = {}  # way -> the test ids its tree has and the release has not
     counts = {
         k: sum(1 for o in release.values() if o == k) for k in ("pass", "fail", "skip")
     }
@@ -209,7 +211,34 @@ def main():
             print(
                 "changed on purpose (README):", *sorted(set(lost) & allowed), sep="\n  "
             )
+        added[way] = set(new)
+    if trees and not added_tests_fail_before_their_patch(trees, added, work):
+        status = 1
     return status
+
+
+def added_tests_fail_before_their_patch(trees, added, work):
+    """Each patch's added tests fail on the tree before it (the release for
+    patch 1): they test what the patch brings."""
+    ok, before, known = True, None, set()
+    for way, tree in trees.items():
+        mine = added[way] - known
+        # The patched tree's files that hold them, run against the tree before it.
+        files = sorted({t.split(".")[0] + ".py" for t in mine})
+        tests = work / f"{tree.name}-tests"
+        got = outcomes(f"{tree.name}-before", tests, work, files, before)
+        passing = sorted(short(t) for t in mine if got.get(t) != "fail")
+        print(
+            f"{way}: {len(mine) - len(passing)} of its {len(mine)} added tests fail without it"
+        )
+        if passing or not mine:
+            print(
+                f"{way}: added tests that do not fail without it:", *passing, sep="\n  "
+            )
+            ok = False
+        known |= added[way]
+        before = tree
+    return ok
 
 
 if __name__ == "__main__":
