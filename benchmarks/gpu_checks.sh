@@ -10,9 +10,9 @@ out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 if [ -n "${QUICK:-}" ]; then
-    contexts="1024 2048"; batches="1 2"; context=2048; steps=8
+    contexts="1024 2048"; batches="1 2"; context=2048; steps=8; start=512
 else
-    contexts="4096 32768 131072"; batches="1 8"; context=32768; steps=256
+    contexts="4096 32768 131072"; batches="1 8"; context=32768; steps=256; start=4096
 fi
 $py -c "import mlx.core as mx, mlx_lm; print(mx.default_device(), mx.__version__, mlx_lm.__version__)" | tee "$out/device.txt"
 $py -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_fidelity.py tests/test_latent.py \
@@ -21,6 +21,6 @@ echo "tests: $(tail -n 1 "$out/tests.txt")"
 $py benchmarks/decode_speed.py --contexts $contexts --batches $batches --reps 3 \
     --json "$out/decode_speed.json" > "$out/decode_speed.txt" 2> "$out/decode_speed.err"
 tail -n 40 "$out/decode_speed.txt"
-$py benchmarks/peak_memory.py --context $context --steps $steps --variants stock ours ours8 ours4 \
+$py benchmarks/peak_memory.py --context $context --steps $steps --start $start --variants stock ours ours8 ours4 \
     --json "$out/peak_memory.json" > "$out/peak_memory.txt" 2> "$out/peak_memory.err"
 tail -n 8 "$out/peak_memory.txt"
