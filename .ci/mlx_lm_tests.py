@@ -231,7 +231,10 @@ def added_tests_fail_before_their_patch(trees, added, work):
         print(
             f"{way}: {len(mine) - len(passing)} of its {len(mine)} added tests fail without it"
         )
-        if passing or not mine:
+        if not mine:
+            print(f"{way}: its patch adds no test of its own")
+            ok = False
+        elif passing:
             print(
                 f"{way}: added tests that do not fail without it:", *passing, sep="\n  "
             )
