@@ -12,7 +12,10 @@ repetition):
 - ``stock``: the package off: mlx-lm's ``KVCache`` and its attention, bf16;
   the baseline (stock cannot decode a quantized MLA cache at all);
 - ``ours``: the package on, bf16;
-- ``ours8`` / ``ours4``: the package on, the latent quantized at 8 / 4 bits.
+- ``ours8`` / ``ours4``: the package on, the latent quantized at 8 / 4 bits;
+- ``portable`` / ``portable8`` / ``portable4``: the same with the CUDA decode
+  kernel off (``decode_cuda.ENABLED``), on MLX's CUDA backend only, where
+  ``ours`` runs the kernel; elsewhere they would repeat ``ours``.
 
 Two measurements per context and batch:
 
@@ -52,10 +55,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
+from mlx_lm_mla import decode_cuda
 
+KERNEL = decode_cuda.ENABLED  # as MLX_LM_MLA_CUDA_KERNEL left it
 FILL_STEP = 2048
 GROUP_SIZE = 64
 VARIANT_BITS = {"stock": None, "ours": None, "ours8": 8, "ours4": 4}
+VARIANT_BITS.update(portable=None, portable8=8, portable4=4)
 # Targets of issue 30 (CPU, 16K positions, batch 1): tokens/s over stock's.
 TARGETS = {(16384, 1): {"ours": 2.0, "ours8": 1.8, "ours4": 1.8}}
 
@@ -75,6 +81,7 @@ def switch(variant):
         mlx_lm_mla.uninstall()
     else:
         mlx_lm_mla.install()
+    decode_cuda.ENABLED = KERNEL and not variant.startswith("portable")
 
 
 def filled_cache(model, context, batch, variant):
@@ -166,8 +173,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--batches", type=int, nargs="+", default=[1])
+    variants = [v for v in VARIANT_BITS if decode_cuda.available() or "port" not in v]
     p.add_argument(
-        "--variants", nargs="+", default=list(VARIANT_BITS), choices=list(VARIANT_BITS)
+        "--variants", nargs="+", default=variants, choices=list(VARIANT_BITS)
     )
     p.add_argument(
         "--steps", type=int, default=6, help="timed decode steps per repetition"

@@ -15,9 +15,10 @@ else
     contexts="4096 32768 131072"; batches="1 8"; context=32768; steps=256; start=4096
 fi
 $py -c "import mlx.core as mx, mlx_lm; print(mx.default_device(), mx.__version__, mlx_lm.__version__)" | tee "$out/device.txt"
-$py -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_fidelity.py tests/test_latent.py \
+$py -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_decode_cuda.py tests/test_fidelity.py tests/test_latent.py \
     tests/test_models.py tests/test_batching.py > "$out/tests.txt" 2>&1
 echo "tests: $(tail -n 1 "$out/tests.txt")"
+# On CUDA: the kernel (ours*) and the portable path (portable*) side by side.
 $py benchmarks/decode_speed.py --contexts $contexts --batches $batches --reps 3 \
     --json "$out/decode_speed.json" > "$out/decode_speed.txt" 2> "$out/decode_speed.err"
 tail -n 40 "$out/decode_speed.txt"

@@ -115,10 +115,10 @@ class _PackedLatent:
         self._fetched = (weakref.ref(latent), weakref.ref(self.keys))
         return latent, rope
 
-    def latent_reader(self, latent):
-        """``read(start, stop, dtype, after)``: rows of ``latent`` decoded
-        from this cache's bytes, if ``latent`` is what it last fetched (never
-        evaluated then: the bytes are read a chunk at a time instead)."""
+    def latent_bytes(self, latent):
+        """``(keys, values, format)``: the rows ``latent`` is decoded from, if it
+        is what this cache last fetched (never evaluated then: decode attention
+        reads the bytes instead)."""
         latent_ref, keys_ref = vars(self).get("_fetched", (None, None))
         if (
             latent_ref is None
@@ -127,7 +127,15 @@ class _PackedLatent:
         ):
             return None
         n = latent.shape[2]
-        keys, values = self.keys[..., :n, :], self.values[..., :n, :]
+        return self.keys[..., :n, :], self.values[..., :n, :], self._format
+
+    def latent_reader(self, latent):
+        """``read(start, stop, dtype, after)``: rows of ``latent`` decoded from
+        this cache's bytes (see ``latent_bytes``), or None."""
+        packed = self.latent_bytes(latent)
+        if packed is None:
+            return None
+        keys, values, _ = packed
 
         def read(start, stop, dtype, after=None):
             rows = keys[..., start:stop, :], values[..., start:stop, :]

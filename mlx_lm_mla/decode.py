@@ -5,7 +5,15 @@ query head. Here the heads are the columns of one matmul, and the latent, decode
 from its bytes if quantized, is read a chunk at a time under an online softmax.
 """
 
+import logging
+
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from . import decode_cuda
+from .cache import quantize_latent
+
+log = logging.getLogger(__name__)
 
 # Bytes of latent per chunk: a step holds a few chunks, never the latent. The
 # CPU value is measured (benchmarks/decode_speed.py), the GPU's not yet.
@@ -40,14 +48,20 @@ def chunk_size(batch, width, dtype):
     return max(64, CHUNK_BYTES[device] // (batch * width * dtype.size))
 
 
+def packed_cache(cache, latent):
+    """The cache (or CacheList member) that last fetched ``latent`` from its
+    bytes, or None."""
+    for c in [cache, *getattr(cache, "caches", ())]:
+        found = getattr(c, "latent_bytes", None)
+        if callable(found) and found(latent) is not None:
+            return c
+    return None
+
+
 def latent_reader(cache, latent):
     """``read`` of the cache (or CacheList member) that last fetched ``latent``."""
-    for c in [cache, *getattr(cache, "caches", ())]:
-        reader = getattr(c, "latent_reader", None)
-        read = reader(latent) if callable(reader) else None
-        if read is not None:
-            return read
-    return None
+    c = packed_cache(cache, latent)
+    return None if c is None else c.latent_reader(latent)
 
 
 def latent_attention(queries, latent, scale, mask=None, read=None):
@@ -105,8 +119,67 @@ def _masked(scores, mask):
     return scores + mask.astype(mx.float32)
 
 
+def kernel_attention(queries, latent, scale, mask=None, cache=None):
+    """``latent_attention`` by ``decode_cuda``'s kernel, where it has a variant
+    that gave ``latent_attention``'s result on random rows of the same kind;
+    else None. ``cache``: the one that holds ``latent`` as bytes, if any."""
+    packed = None if cache is None else cache.latent_bytes(latent)
+    kind = (
+        queries.shape[1],
+        queries.shape[-1],
+        queries.dtype,
+        packed[2] if packed else latent.dtype,
+        getattr(mask, "dtype", None),
+    )
+    if kind not in _KERNEL_AGREES:
+        _KERNEL_AGREES[kind] = _kernel_agrees(kind)
+    if not _KERNEL_AGREES[kind]:
+        return None
+    return decode_cuda.latent_attention(queries, latent, scale, mask, packed)
+
+
+_KERNEL_AGREES = {}  # kind of step -> whether the kernel gave the reference's
+
+
+def _kernel_agrees(kind):
+    """Both paths on random rows of ``kind``: more than one tile, a mask if the
+    step has one, and the step's format, quantized through a cache."""
+    H, D, dtype, fmt, mask_dtype = kind
+    L = 2 * decode_cuda.TILE + 5
+    k = mx.random.split(mx.random.key(0), 3)
+    q = mx.random.normal((1, H, 1, D), key=k[0]).astype(dtype)
+    rows = mx.random.normal((1, 1, L, D), key=k[1])
+    small, read, packed = None, None, None
+    if isinstance(fmt, tuple):  # quantized: (group, bits, width, dtype, ...)
+        group_size, bits, _, latent_dtype, rope_width, rope_dtype = fmt
+        rope = mx.zeros((1, 1, L, rope_width), getattr(mx, rope_dtype))
+        small = KVCache()
+        small.update_and_fetch(rows.astype(getattr(mx, latent_dtype)), rope)
+        small = quantize_latent(small, group_size, bits)
+        rows, _ = small.update_and_fetch(rows[:, :, :1], rope[:, :, :1])
+        read, packed = small.latent_reader(rows), small.latent_bytes(rows)
+    else:
+        rows = rows.astype(fmt)
+    mask = None
+    if mask_dtype is not None:
+        keep = mx.random.uniform(shape=(1, H, 1, rows.shape[2]), key=k[2]) > 0.2
+        mask = keep if mask_dtype == mx.bool_ else mx.where(keep, 0.0, -1e4)
+        mask = mask.astype(mask_dtype)
+    expected = latent_attention(q, rows, 0.1, mask, read)
+    try:
+        got = decode_cuda.latent_attention(q, rows, 0.1, mask, packed)
+        agrees = got is not None and mx.allclose(got, expected, atol=1e-2).item()
+        reason = "it has no variant" if got is None else "it disagreed"
+    except Exception as e:  # a kernel that fails to build or run is not used
+        agrees, reason = False, f"{type(e).__name__}: {e}"
+    if not agrees:
+        log.warning("MLA decode kernel off for %s: %s", kind, reason)
+    return agrees
+
+
 def folded_attention(original):
-    """``scaled_dot_product_attention`` that decodes through ``latent_attention``."""
+    """``scaled_dot_product_attention`` that decodes through ``latent_attention``
+    (on MLX's CUDA backend, its kernel where it agrees with it)."""
 
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale, mask, sinks=None
@@ -114,7 +187,12 @@ def folded_attention(original):
         if is_latent_decode(queries, keys, values, mask, sinks) and not hasattr(
             cache, "bits"
         ):
-            read = latent_reader(cache, keys)
+            packed = packed_cache(cache, keys)
+            if decode_cuda.available():
+                out = kernel_attention(queries, keys, scale, mask, packed)
+                if out is not None:
+                    return out
+            read = None if packed is None else packed.latent_reader(keys)
             return latent_attention(queries, keys, scale, mask, read)
         return original(
             queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks

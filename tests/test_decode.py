@@ -11,7 +11,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla import decode, mla, patches
+from mlx_lm_mla import decode, decode_cuda, mla, patches
 from mlx_lm_mla.cache import _PackedLatent
 from mlx_lm_mla import tiny
 
@@ -38,6 +38,13 @@ def stock_logits(model, **kwargs):
         return decode_logits(model, **kwargs)
     finally:
         mlx_lm_mla.install()
+
+
+@pytest.fixture(autouse=True)
+def portable_path(monkeypatch):
+    """These tests are of the portable path; on MLX's CUDA backend the kernel
+    has its own (tests/test_decode_cuda.py)."""
+    monkeypatch.setattr(decode_cuda, "ENABLED", False)
 
 
 @pytest.fixture

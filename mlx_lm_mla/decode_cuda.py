@@ -1,0 +1,318 @@
+"""MLA decode attention as one CUDA kernel (``mx.fast.cuda_kernel``).
+
+Each thread block takes one sequence, a group of heads and a share of the
+positions; it decodes a tile of latent rows (packed bytes, scales and biases, or
+exact values) into shared memory once for all its heads, and keeps a running
+softmax. Blocks write their partial outputs; a few MLX ops combine them.
+``decode.latent_attention`` is the reference and the fallback.
+"""
+
+import logging
+import math
+import os
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+# Off with MLX_LM_MLA_CUDA_KERNEL=0 (or by setting ENABLED), e.g. to compare.
+ENABLED = os.environ.get("MLX_LM_MLA_CUDA_KERNEL", "1") != "0"
+TILE = 16  # positions decoded into shared memory at a time
+BLOCKS = 512  # blocks a step aims for, a few per SM of a large GPU
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+# Value d of a latent row as the model sees it: exact rows hold it, quantized
+# rows its bits (low bits first), and the row of values its group's scale and
+# bias, in the latent's dtype, at byte offsets ``scale_at`` and ``bias_at``.
+HEADER = """
+template <typename LT>
+__device__ inline float mla_scalar(const uint8_t* row, int64_t step, int at) {
+  LT x;  // assembled byte by byte: rows hold scales at any alignment
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(&x);
+  for (int k = 0; k < int(sizeof(LT)); ++k) {
+    bytes[k] = row[(at + k) * step];
+  }
+  return static_cast<float>(x);
+}
+
+// Values k * PER .. k * PER + PER - 1 of a latent row: one byte of a quantized
+// row (its values low bits first, one group's scale and bias), or one value.
+template <int BITS, int G, typename LT, typename XT>
+__device__ inline void mla_unpack(
+    const XT* x, int64_t step, const uint8_t* v, int64_t vstep,
+    int scale_at, int bias_at, int k, float* out) {
+  if constexpr (BITS == 0) {
+    out[0] = static_cast<float>(x[k * step]);
+  } else {
+    constexpr int per = 8 / BITS;
+    const int byte = int(x[k * step]);
+    const int at = (k * per / G) * int(sizeof(LT));
+    const float s = mla_scalar<LT>(v, vstep, scale_at + at);
+    const float b = mla_scalar<LT>(v, vstep, bias_at + at);
+#pragma unroll
+    for (int e = 0; e < per; ++e) {
+      const int q = (byte >> (e * BITS)) & ((1 << BITS) - 1);
+      // Rounded to the latent's dtype, as the dequantized latent is.
+      out[e] = static_cast<float>(LT(float(q) * s + b));
+    }
+  }
+}
+"""
+
+SOURCE = """
+  // Below any score: a split or tile with no unmasked position weighs nothing.
+  constexpr float LOW = -3.0e38f;
+  extern __shared__ float smem[];
+  float* qs = smem;                   // HB x D queries
+  float* xs = qs + HB * D;            // TILE x (D + 1) latent rows
+  float* ps = xs + TILE * (D + 1);    // HB x TILE scores, then weights
+  float* st = ps + HB * TILE;         // HB each: max, sum, carry
+
+  const int tid = threadIdx.x;
+  const int split = blockIdx.x;
+  const int h0 = blockIdx.y * HB;
+  const int b = blockIdx.z;
+  const int splits = gridDim.x;
+  const int H = q_shape[1];
+  const int L = x_shape[2];
+  const int nh = min(HB, H - h0);
+  int per = (L + splits - 1) / splits;
+  per = ((per + TILE - 1) / TILE) * TILE;
+  const int s0 = split * per;
+  const int s1 = min(L, s0 + per);
+
+  for (int i = tid; i < HB * D; i += NT) {
+    int h = i / D;
+    qs[i] = h < nh ? q[((int64_t)b * H + h0 + h) * D + i % D] : 0.0f;
+  }
+  if (tid < HB) {
+    st[tid] = LOW;
+    st[HB + tid] = 0.0f;
+  }
+  float acc[HB][D / NT];
+#pragma unroll
+  for (int h = 0; h < HB; ++h) {
+#pragma unroll
+    for (int j = 0; j < D / NT; ++j) {
+      acc[h][j] = 0.0f;
+    }
+  }
+  __syncthreads();
+
+  for (int t0 = s0; t0 < s1; t0 += TILE) {
+    const int nt = min(TILE, s1 - t0);
+    constexpr int PER = BITS == 0 ? 1 : 8 / BITS;  // values per unit read
+    for (int i = tid; i < TILE * (D / PER); i += NT) {
+      const int t = i / (D / PER);
+      const int k = i % (D / PER);
+      float values[PER];
+      if (t < nt) {
+        const int64_t p = t0 + t;
+        mla_unpack<BITS, G, LT>(
+            x + b * x_strides[0] + p * x_strides[2], x_strides[3],
+            v + b * v_strides[0] + p * v_strides[2], v_strides[3],
+            SCALE_AT, BIAS_AT, k, values);
+      } else {
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+          values[e] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        xs[t * (D + 1) + k * PER + e] = values[e];
+      }
+    }
+    __syncthreads();
+
+    for (int i = tid; i < HB * TILE; i += NT) {
+      int h = i / TILE;
+      int t = i % TILE;
+      float score = LOW;
+      if (h < nh && t < nt) {
+        const float* qh = qs + h * D;
+        const float* xt = xs + t * (D + 1);
+        float a = 0.0f;
+        for (int d = 0; d < D; ++d) {
+          a += qh[d] * xt[d];
+        }
+        if constexpr (HAS_MASK) {
+          a += static_cast<float>(mask[b * mask_strides[0] +
+              (h0 + h) * mask_strides[1] + (int64_t)(t0 + t) * mask_strides[3]]);
+        }
+        score = a;
+      }
+      ps[i] = score;
+    }
+    __syncthreads();
+
+    if (tid < HB) {
+      float top = st[tid];
+      float new_top = top;
+      for (int t = 0; t < nt; ++t) {
+        new_top = fmaxf(new_top, ps[tid * TILE + t]);
+      }
+      float carry = expf(top - new_top);
+      float total = st[HB + tid] * carry;
+      for (int t = 0; t < TILE; ++t) {
+        float w = t < nt ? expf(ps[tid * TILE + t] - new_top) : 0.0f;
+        ps[tid * TILE + t] = w;
+        total += w;
+      }
+      st[tid] = new_top;
+      st[HB + tid] = total;
+      st[2 * HB + tid] = carry;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int h = 0; h < HB; ++h) {
+      const float carry = st[2 * HB + h];
+      const float* w = ps + h * TILE;
+#pragma unroll
+      for (int j = 0; j < D / NT; ++j) {
+        const int d = tid + j * NT;
+        float a = acc[h][j] * carry;
+        for (int t = 0; t < nt; ++t) {
+          a += w[t] * xs[t * (D + 1) + d];
+        }
+        acc[h][j] = a;
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int h = 0; h < HB; ++h) {
+    if (h < nh) {
+      int64_t row = ((int64_t)b * H + h0 + h) * splits + split;
+#pragma unroll
+      for (int j = 0; j < D / NT; ++j) {
+        o[row * D + tid + j * NT] = acc[h][j];
+      }
+    }
+  }
+  if (tid < nh) {
+    int64_t row = ((int64_t)b * H + h0 + tid) * splits + split;
+    ml[row * 2] = st[tid];
+    ml[row * 2 + 1] = st[HB + tid];
+  }
+"""
+
+INPUTS = ["q", "x", "v", "mask"]
+OUTPUTS = ["o", "ml"]
+_kernels = {}  # shared memory bytes -> kernel
+
+
+def available():
+    """On MLX's CUDA backend, unless switched off."""
+    cuda = getattr(mx, "cuda", None)
+    return (
+        ENABLED
+        and cuda is not None
+        and cuda.is_available()
+        and mx.default_device() == mx.gpu
+    )
+
+
+def threads(width):
+    """Threads a block: each holds whole columns of the output, so the count
+    divides the latent's width."""
+    return next((n for n in (256, 128, 64, 32) if width % n == 0), None)
+
+
+def heads_per_block(heads):
+    if heads <= 32:
+        return heads
+    return next(n for n in (32, 16, 8, 4, 2, 1) if heads % n == 0)
+
+
+def prepare(queries, latent, scale, mask=None, packed=None):
+    """The kernel's inputs, template, grid, block and shared memory for
+    ``decode.latent_attention``'s arguments (``packed``: the cache's keys,
+    values and format, as ``latent_bytes`` gives them), or None where the kernel
+    has no variant for them."""
+    B, H, _, D = queries.shape
+    L = latent.shape[2]
+    NT = threads(D)
+    if packed is None:
+        x, v, (group_size, bits) = latent, mx.zeros((1, 1, 1, 1), mx.uint8), (1, 0)
+        dtype, scale_at = latent.dtype, 0
+    else:
+        x, v, (group_size, bits, _, dtype, rope_width, rope_dtype) = packed
+        dtype = getattr(mx, dtype)
+        scale_at = rope_width * getattr(mx, rope_dtype).size
+    if (
+        NT is None
+        or bits not in (0, 2, 4, 8)
+        or dtype not in DTYPES
+        or D % group_size
+        or (mask is not None and mask.dtype not in DTYPES + (mx.bool_,))
+    ):
+        return None
+    has_mask = mask is not None
+    if not has_mask:
+        mask = mx.zeros((1, 1, 1, 1), mx.float32)
+    elif mask.dtype == mx.bool_:  # as decode's reference path reads it
+        low = mx.array(mx.finfo(mx.float32).min, mx.float32)
+        mask = mx.where(mask, mx.array(0.0, mx.float32), low)
+    if has_mask:  # strides of 0 where broadcast: read in place
+        mask = mx.broadcast_to(mask, (B, H, 1, L))
+    q = mx.contiguous((queries * scale).astype(mx.float32).reshape(B, H, D))
+    HB = heads_per_block(H)
+    groups = math.ceil(H / HB)
+    splits = max(1, min(math.ceil(BLOCKS / (B * groups)), math.ceil(L / TILE)))
+    template = [
+        ("D", D),
+        ("HB", HB),
+        ("TILE", TILE),
+        ("NT", NT),
+        ("BITS", bits),
+        ("G", group_size),
+        ("HAS_MASK", has_mask),
+        ("SCALE_AT", scale_at),
+        ("BIAS_AT", scale_at + D // group_size * dtype.size),
+        ("LT", dtype),
+    ]
+    return dict(
+        inputs=[q, x, v, mask],
+        template=template,
+        grid=(splits * NT, groups, B),
+        threadgroup=(NT, 1, 1),
+        shared_memory=4 * (HB * D + TILE * (D + 1) + HB * TILE + 3 * HB),
+        output_shapes=[(B, H, splits, D), (B, H, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+
+
+def combine(o, ml, dtype):
+    """Each split's output weighed by its share of the softmax: (B, H, 1, D)."""
+    top = ml[..., 0].max(axis=-1, keepdims=True)
+    weights = mx.exp(ml[..., 0] - top)
+    total = (ml[..., 1] * weights).sum(axis=-1, keepdims=True)
+    out = (o * weights[..., None]).sum(axis=-2, keepdims=True)
+    return (out / total[..., None]).astype(dtype)
+
+
+def kernel(shared_memory):
+    if shared_memory not in _kernels:
+        _kernels[shared_memory] = mx.fast.cuda_kernel(
+            name="mla_latent_decode",
+            input_names=INPUTS,
+            output_names=OUTPUTS,
+            source=SOURCE,
+            header=HEADER,
+            ensure_row_contiguous=False,
+            shared_memory=shared_memory,
+        )
+    return _kernels[shared_memory]
+
+
+def latent_attention(queries, latent, scale, mask=None, packed=None):
+    """The kernel's ``decode.latent_attention``, or None where it has no variant."""
+    launch = prepare(queries, latent, scale, mask, packed)
+    if launch is None:
+        return None
+    run = kernel(launch.pop("shared_memory"))
+    o, ml = run(**launch)
+    return combine(o, ml, queries.dtype)

@@ -1,0 +1,89 @@
+"""Compiles each variant of the CUDA decode kernel with nvcc, as MLX's CUDA
+backend would build it, for Ampere and Hopper; fails on any error or spilled
+register. `.ci/run` runs it where nvcc is installed (no GPU needed):
+
+    python tests/compile_kernel.py
+"""
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+from cuda_emulator import Emulator
+
+from mlx_lm_mla import decode_cuda
+from mlx_lm_mla.cache import quantize_latent
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def variants():
+    """(name, launch) for each kind of step: exact latents of each dtype,
+    quantized ones of each width, masks of each kind, few heads and many."""
+    from mlx_lm.models.cache import KVCache
+
+    def exact(dtype, heads=20, mask=None):
+        q = mx.zeros((1, heads, 1, 512), dtype)
+        return decode_cuda.prepare(q, mx.zeros((1, 1, 40, 512), dtype), 0.1, mask)
+
+    def packed(bits, dtype=mx.bfloat16):
+        cache = KVCache()
+        cache.update_and_fetch(
+            mx.zeros((1, 1, 40, 512), dtype), mx.zeros((1, 1, 40, 64), dtype)
+        )
+        cache = quantize_latent(cache, 64, bits)
+        x, _ = cache.update_and_fetch(
+            mx.zeros((1, 1, 1, 512), dtype), mx.zeros((1, 1, 1, 64), dtype)
+        )
+        q = mx.zeros((1, 128, 1, 512), dtype)
+        mask = mx.zeros((1, 128, 1, 41), dtype)
+        return decode_cuda.prepare(q, x, 0.1, mask, cache.latent_bytes(x))
+
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        yield f"exact {dtype}", exact(dtype)
+    yield "exact, additive mask", exact(mx.bfloat16, mask=mx.zeros((1, 20, 1, 40)))
+    yield "exact, boolean mask", exact(mx.bfloat16, mask=mx.zeros((1, 1, 1, 40)) > 0)
+    for bits in (8, 4, 2):
+        yield f"{bits}-bit, 128 heads", packed(bits)
+    yield "4-bit, float16 scales", packed(4, mx.float16)
+
+
+def main():
+    kernel = Emulator(
+        decode_cuda.INPUTS, decode_cuda.OUTPUTS, decode_cuda.SOURCE, decode_cuda.HEADER
+    )
+    folder, failed = Path(tempfile.mkdtemp(prefix="mla-kernel-")), 0
+    for i, (name, launch) in enumerate(variants()):
+        source = kernel.cuda_source(
+            [a.dtype for a in launch["inputs"]],
+            launch["output_dtypes"],
+            launch["template"],
+        )
+        path = folder / f"variant{i}.cu"
+        path.write_text(source)
+        for arch in ARCHS:
+            out = subprocess.run(
+                ["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v"]
+                + ["-o", str(path.with_suffix(f".{arch}.cubin")), str(path)],
+                capture_output=True,
+                text=True,
+            )
+            registers = re.findall(r"Used (\d+) registers", out.stderr)
+            spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+            ok = out.returncode == 0 and spills and all(s == "0" for s in spills)
+            print(
+                f"{'ok' if ok else 'FAILED':6} {arch} {name}: "
+                f"{registers[0] if registers else '?'} registers, "
+                f"{launch['shared_memory']} bytes shared"
+            )
+            if not ok:
+                print(out.stderr[-3000:])
+                failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

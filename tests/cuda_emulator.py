@@ -1,0 +1,252 @@
+"""Runs a kernel written for ``mx.fast.cuda_kernel`` on the CPU, so its
+arithmetic is tested where no GPU is: the same header and body, under the
+signature MLX generates (each input, then ``<name>_shape`` / ``_strides`` where
+the body names them, then the outputs), compiled with g++. Each block's
+threads are real threads meeting at ``__syncthreads`` on a barrier; blocks run
+one after another, so the dynamic shared memory is one array."""
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+MAX_NDIM = 10  # mlx/backend/cuda/device/config.h
+
+PRELUDE = r"""
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __shared__
+#define __grid_constant__
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {  // round to nearest even, as CUDA's conversion
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    bits = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+};
+typedef _Float16 __half;
+
+struct Dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local Dim3 threadIdx, blockIdx;
+Dim3 blockDim, gridDim;
+std::barrier<>* block_barrier;
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+using std::min;
+using std::max;
+
+namespace mlx::core::cu {
+using Shape = std::array<int32_t, MAX_NDIM>;
+using Strides = std::array<int64_t, MAX_NDIM>;
+float smem[1 << 18];
+}
+""".replace("MAX_NDIM", str(MAX_NDIM))
+
+CUDA_PRELUDE = """
+#include <cooperative_groups.h>
+#include <cuda/std/array>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+""".replace("MAX_NDIM", str(MAX_NDIM))
+
+CTYPES = {
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.uint8: "uint8_t",
+    mx.int32: "int32_t",
+}
+
+
+def _numpy(a):
+    """The array's bytes as numpy (bfloat16 as its bits)."""
+    if a.dtype == mx.bfloat16:
+        return np.array(mx.view(a, mx.uint16))
+    return np.array(a)
+
+
+def _strided(x):
+    """A view of ``x`` in a larger buffer: every second row of its first axis,
+    from an offset on its third, so the kernel must read through strides."""
+    if x.ndim != 4 or x.size <= 1:
+        return x
+    B, A, L, W = x.shape
+    buffer = np.zeros((2 * B, A, L + 7, W), x.dtype)
+    view = buffer[::2, :, 3 : 3 + L, :]
+    view[...] = x
+    return view
+
+
+class Emulator:
+    """``kernel(inputs=..., template=..., grid=..., threadgroup=...,
+    output_shapes=..., output_dtypes=...)`` as ``mx.fast.cuda_kernel`` builds
+    it, for ``source`` with ``header``, run on the CPU."""
+
+    def __init__(self, input_names, output_names, source, header, folder=None):
+        self.names, self.outputs = list(input_names), list(output_names)
+        self.source, self.header = source, header
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="cuda-emulator-"))
+        self.libraries = {}
+
+    def _signature(self, dtypes, output_dtypes, template, grid_constant=""):
+        """Parameters, the launcher's arguments for them, and the template's
+        constants, in the order and form MLX generates them."""
+        params, unpack = [], []
+        for i, (name, dtype) in enumerate(zip(self.names, dtypes)):
+            params.append(f"const {CTYPES[dtype]}* {name}")
+            unpack.append(f"(const {CTYPES[dtype]}*)data[{i}]")
+            for suffix, kind, src in (
+                ("_shape", "Shape", "shapes"),
+                ("_strides", "Strides", "strides"),
+            ):
+                if name + suffix in self.source:
+                    params.append(f"const {grid_constant}{kind} {name}{suffix}")
+                    unpack.append(f"to_{src}({src}, {i})")
+        for j, (name, dtype) in enumerate(zip(self.outputs, output_dtypes)):
+            params.append(f"{CTYPES[dtype]}* {name}")
+            unpack.append(f"({CTYPES[dtype]}*)data[{len(self.names) + j}]")
+        constants = []
+        for name, value in template:
+            if isinstance(value, mx.Dtype):
+                constants.append(f"  using {name} = {CTYPES[value]};")
+            elif isinstance(value, bool):
+                constants.append(f"  constexpr bool {name} = {str(value).lower()};")
+            else:
+                constants.append(f"  constexpr int {name} = {value};")
+        return ", ".join(params), ", ".join(unpack), "\n".join(constants)
+
+    def cuda_source(self, dtypes, output_dtypes, template):
+        """The translation unit MLX's CUDA backend compiles, with a stand-in for
+        its own device header (the CPU wheel does not ship it)."""
+        params, _, constants = self._signature(
+            dtypes, output_dtypes, template, "__grid_constant__ "
+        )
+        return f"""{CUDA_PRELUDE}
+{self.header}
+namespace mlx::core::cu {{
+namespace cg = cooperative_groups;
+__global__ void kernel({params}) {{
+{constants}
+{self.source}
+}}
+}}
+"""
+
+    def _code(self, dtypes, output_dtypes, template):
+        params, unpack, constants = self._signature(dtypes, output_dtypes, template)
+        return f"""{PRELUDE}
+{self.header}
+namespace mlx::core::cu {{
+void kernel({params}) {{
+{constants}
+{self.source}
+}}
+}}
+
+static mlx::core::cu::Shape to_shapes(const int32_t* all, int i) {{
+  mlx::core::cu::Shape s{{}};
+  for (int k = 0; k < {MAX_NDIM}; ++k) s[k] = all[i * {MAX_NDIM} + k];
+  return s;
+}}
+static mlx::core::cu::Strides to_strides(const int64_t* all, int i) {{
+  mlx::core::cu::Strides s{{}};
+  for (int k = 0; k < {MAX_NDIM}; ++k) s[k] = all[i * {MAX_NDIM} + k];
+  return s;
+}}
+
+extern "C" void launch(void** data, const int32_t* shapes,
+    const int64_t* strides, int gx, int gy, int gz, int nt) {{
+  gridDim = Dim3{{unsigned(gx), unsigned(gy), unsigned(gz)}};
+  blockDim = Dim3{{unsigned(nt), 1, 1}};
+  for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y)
+  for (int x = 0; x < gx; ++x) {{
+    std::barrier<> barrier(nt);
+    block_barrier = &barrier;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < nt; ++t) {{
+      threads.emplace_back([=] {{
+        threadIdx = Dim3{{unsigned(t), 0, 0}};
+        blockIdx = Dim3{{unsigned(x), unsigned(y), unsigned(z)}};
+        mlx::core::cu::kernel({unpack});
+      }});
+    }}
+    for (auto& thread : threads) thread.join();
+  }}
+}}
+"""
+
+    def _library(self, code):
+        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+        if digest not in self.libraries:
+            src = self.folder / f"kernel-{digest}.cpp"
+            lib = self.folder / f"kernel-{digest}.so"
+            if not lib.exists():
+                src.write_text(code)
+                subprocess.run(
+                    ["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]
+                    + ["-Wno-unknown-pragmas", str(src), "-o", f"{lib}.{os.getpid()}"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                os.replace(f"{lib}.{os.getpid()}", lib)
+            self.libraries[digest] = ctypes.CDLL(str(lib))
+        return self.libraries[digest]
+
+    def __call__(
+        self, inputs, template, grid, threadgroup, output_shapes, output_dtypes
+    ):
+        code = self._code([a.dtype for a in inputs], output_dtypes, template)
+        launch = self._library(code).launch
+        arrays = [_strided(_numpy(a)) for a in inputs]
+        outputs = [
+            np.zeros(shape, np.float32 if dtype == mx.float32 else np.uint8)
+            for shape, dtype in zip(output_shapes, output_dtypes)
+        ]
+        shapes = np.zeros((len(arrays), MAX_NDIM), np.int32)
+        strides = np.zeros((len(arrays), MAX_NDIM), np.int64)
+        for i, a in enumerate(arrays):
+            shapes[i, : a.ndim] = a.shape
+            strides[i, : a.ndim] = [s // a.itemsize for s in a.strides]
+        data = (ctypes.c_void_p * (len(arrays) + len(outputs)))(
+            *[a.ctypes.data for a in arrays + outputs]
+        )
+        (gx, gy, gz), (tx, ty, tz) = grid, threadgroup
+        assert ty == tz == 1 and gx % tx == 0, "one-dimensional blocks only"
+        launch(
+            data,
+            shapes.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            strides.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+            gx // tx,
+            gy,
+            gz,
+            tx,
+        )
+        return [mx.array(o) for o in outputs]

@@ -1,0 +1,223 @@
+"""The CUDA decode kernel gives the portable path's attention (its reference):
+exact and quantized latents, masks, heads and positions split across blocks;
+a decode step through it gives stock's logits, and a kernel that fails or
+disagrees is not used. On MLX's CUDA backend the kernel runs as built; on
+other machines its source runs on the CPU (tests/cuda_emulator.py)."""
+
+import logging
+import math
+
+import mlx.core as mx
+import pytest
+from cuda_emulator import Emulator
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+import mlx_lm_mla
+from mlx_lm_mla import decode, decode_cuda, tiny
+from mlx_lm_mla.cache import quantize_latent
+
+ON_CUDA = decode_cuda.available()
+TOKENS = [(5 * i + 7) % 190 + 5 for i in range(110)]
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return Emulator(
+        decode_cuda.INPUTS,
+        decode_cuda.OUTPUTS,
+        decode_cuda.SOURCE,
+        decode_cuda.HEADER,
+        folder=tmp_path_factory.mktemp("kernels"),
+    )
+
+
+@pytest.fixture
+def kernel(emulator, monkeypatch):
+    """``decode_cuda.latent_attention``: as built on CUDA, else its source
+    emulated, with few blocks so a tiny step still spans several."""
+    monkeypatch.setattr(decode_cuda, "BLOCKS", 4)
+    if ON_CUDA:
+        return decode_cuda.latent_attention
+
+    def run(queries, latent, scale, mask=None, packed=None):
+        launch = decode_cuda.prepare(queries, latent, scale, mask, packed)
+        if launch is None:
+            return None
+        launch.pop("shared_memory")
+        o, ml = emulator(**launch)
+        return decode_cuda.combine(o, ml, queries.dtype)
+
+    return run
+
+
+def queries(B=2, H=20, D=512, dtype=mx.float32, seed=1):
+    return mx.random.normal((B, H, 1, D), key=mx.random.key(seed)).astype(dtype)
+
+
+def latent(B=2, L=150, D=512, dtype=mx.float32, seed=2):
+    return mx.random.normal((B, 1, L, D), key=mx.random.key(seed)).astype(dtype)
+
+
+def packed_cache(bits, B=2, L=150, D=512, group_size=64, dtype=mx.bfloat16):
+    """A quantized latent cache of L positions and the latent it last fetched."""
+    cache = KVCache()
+    rope = mx.zeros((B, 1, L, 64), dtype)
+    cache.update_and_fetch(latent(B, L - 1, D, dtype), rope[:, :, 1:])
+    cache = quantize_latent(cache, group_size, bits)
+    fetched, _ = cache.update_and_fetch(latent(B, 1, D, dtype, seed=3), rope[:, :, :1])
+    return cache, fetched
+
+
+def close(got, expected, dtype):
+    tolerance = 1e-5 if dtype == mx.float32 else 2e-2
+    return mx.allclose(got, expected, atol=tolerance, rtol=tolerance).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_the_kernel_attends_an_exact_latent_as_the_reference(kernel, dtype):
+    q, x = queries(dtype=dtype), latent(dtype=dtype)
+    got = kernel(q, x, 0.05)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert close(got, decode.latent_attention(q, x, 0.05), dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_kernel_reads_a_quantized_latent_from_its_bytes(kernel, bits):
+    cache, x = packed_cache(bits)
+    q = queries(dtype=mx.bfloat16)
+    expected = decode.latent_attention(q, x, 0.05, None, cache.latent_reader(x))
+    assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
+
+
+def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
+    q, x = queries(), latent()
+    mask = 3 * mx.random.normal((2, 20, 1, 150), key=mx.random.key(4))
+    expected = decode.latent_attention(q, x, 0.05, mask)
+    assert close(kernel(q, x, 0.05, mask), expected, mx.float32)
+    assert not close(kernel(q, x, 0.05), expected, mx.float32)
+
+
+def test_a_boolean_mask_leaves_the_padding_of_a_row_out(kernel):
+    q, x = queries(), latent()
+    mask = mx.array([[i >= 40 for i in range(150)], [True] * 150])[:, None, None]
+    got = kernel(q, x, 0.05, mask)
+    assert close(got, decode.latent_attention(q, x, 0.05, mask), mx.float32)
+    alone = decode.latent_attention(q[:1], x[:1, :, 40:], 0.05)
+    assert close(got[:1], alone, mx.float32)
+
+
+def test_heads_beyond_a_blocks_share_go_to_other_blocks(kernel):
+    q, x = queries(H=64, D=128), latent(D=128)
+    assert decode_cuda.heads_per_block(64) == 32
+    assert close(kernel(q, x, 0.1), decode.latent_attention(q, x, 0.1), mx.float32)
+
+
+@pytest.mark.parametrize("blocks", [1, 64])
+def test_positions_split_across_blocks_combine_as_one_softmax(
+    kernel, monkeypatch, blocks
+):
+    # 150 positions: one block of many tiles, or a block a tile, the last partial.
+    monkeypatch.setattr(decode_cuda, "BLOCKS", blocks)
+    q, x = queries(B=1), latent(B=1)
+    launch = decode_cuda.prepare(q, x, 0.05)
+    tiles = math.ceil(150 / decode_cuda.TILE)
+    assert launch["grid"][0] // launch["threadgroup"][0] == min(blocks, tiles)
+    assert close(kernel(q, x, 0.05), decode.latent_attention(q, x, 0.05), mx.float32)
+
+
+@pytest.mark.parametrize(
+    "width, bits, dtype", [(48, 0, mx.float32), (512, 3, mx.bfloat16)]
+)
+def test_steps_the_kernel_has_no_variant_for_are_left_to_the_reference(
+    width, bits, dtype
+):
+    q, x = queries(D=width, dtype=dtype), latent(D=width, dtype=dtype)
+    packed = None
+    if bits:
+        cache, x = packed_cache(bits, D=width, dtype=dtype)
+        packed = cache.latent_bytes(x)
+    assert decode_cuda.prepare(q, x, 0.1, None, packed) is None
+
+
+@pytest.fixture
+def through_the_kernel(kernel, monkeypatch):
+    """Decode steps take the kernel path, checked afresh; returns its calls."""
+    seen = []
+
+    def recording(*args):
+        seen.append(args[-1] is not None)  # whether it read a cache's bytes
+        return kernel(*args)
+
+    monkeypatch.setattr(decode_cuda, "available", lambda: True)
+    monkeypatch.setattr(decode_cuda, "latent_attention", recording)
+    monkeypatch.setattr(decode, "_KERNEL_AGREES", {})
+    return seen
+
+
+def decode_logits(model, bits=None):
+    cache = make_prompt_cache(model)
+    model(mx.array([TOKENS[:90]]), cache=cache)
+    if bits:
+        maybe_quantize_kv_cache(
+            cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
+        )
+    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[90:]]
+    return mx.concatenate(steps, axis=1)
+
+
+def portable_logits(model, monkeypatch, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(decode_cuda, "ENABLED", False)
+        m.setattr(decode_cuda, "available", lambda: False)
+        return decode_logits(model, **kwargs)
+
+
+def test_decode_steps_through_the_kernel_give_stocks_logits(
+    installed, through_the_kernel
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    mlx_lm_mla.uninstall()
+    expected = decode_logits(model)
+    mlx_lm_mla.install()
+    got = decode_logits(model)
+    assert len(through_the_kernel) > 20
+    assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_steps_through_the_kernel_read_the_bytes_as_the_portable_path(
+    installed, through_the_kernel, monkeypatch, bits
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    got = decode_logits(model, bits)
+    assert through_the_kernel.count(True) > 20
+    expected = portable_logits(model, monkeypatch, bits=bits)
+    assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda *args: mx.zeros_like(args[0]),
+        lambda *args: (_ for _ in ()).throw(RuntimeError("nvrtc: compile failed")),
+    ],
+    ids=["disagrees", "fails"],
+)
+def test_a_kernel_that_disagrees_or_fails_is_not_used(
+    installed, monkeypatch, caplog, broken
+):
+    monkeypatch.setattr(decode_cuda, "available", lambda: True)
+    monkeypatch.setattr(decode, "_KERNEL_AGREES", {})
+    calls = []
+    monkeypatch.setattr(
+        decode_cuda, "latent_attention", lambda *a: calls.append(1) or broken(*a)
+    )
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = decode_logits(model)
+    expected = portable_logits(model, monkeypatch)
+    assert mx.array_equal(got, expected).item()
+    # Checked once for the step's kind, then never called again.
+    assert len(calls) == 1
+    assert [r.getMessage() for r in caplog.records if "kernel off" in r.getMessage()]
