@@ -6,6 +6,7 @@ from its bytes if quantized, is read a chunk at a time under an online softmax.
 """
 
 import logging
+import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -121,8 +122,9 @@ def _masked(scores, mask):
 
 def kernel_attention(queries, latent, scale, mask=None, cache=None):
     """``latent_attention`` by ``decode_cuda``'s kernel, where it has a variant
-    that gave ``latent_attention``'s result on random rows of the same kind;
-    else None. ``cache``: the one that holds ``latent`` as bytes, if any."""
+    that gave ``latent_attention``'s result on random rows of the same kind,
+    and ran faster than it on this device at this length (to the next power of
+    two); else None. ``cache``: the one that holds ``latent`` as bytes, if any."""
     packed = None if cache is None else cache.latent_bytes(latent)
     kind = (
         queries.shape[1],
@@ -135,7 +137,31 @@ def kernel_attention(queries, latent, scale, mask=None, cache=None):
         _KERNEL_AGREES[kind] = _kernel_agrees(kind)
     if not _KERNEL_AGREES[kind]:
         return None
-    return decode_cuda.latent_attention(queries, latent, scale, mask, packed)
+
+    def kernel():
+        return decode_cuda.latent_attention(queries, latent, scale, mask, packed)
+
+    def portable():
+        read = None if cache is None else cache.latent_reader(latent)
+        return latent_attention(queries, latent, scale, mask, read)
+
+    length = (queries.shape[0], latent.shape[2].bit_length())
+    if (kind, length) not in _KERNEL_FASTER:
+        # The step's own inputs, not the dequantized latent (never evaluated).
+        mx.eval(queries, [] if mask is None else mask, packed[:2] if packed else latent)
+        _KERNEL_FASTER[kind, length] = _seconds(kernel) < _seconds(portable)
+    return kernel() if _KERNEL_FASTER[kind, length] else None
+
+
+_KERNEL_FASTER = {}  # (kind, (batch, length's bits)) -> measured faster
+
+
+def _seconds(run, repeats=3):
+    mx.eval(run())  # built and warm
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(run())
+    return (time.perf_counter() - start) / repeats
 
 
 _KERNEL_AGREES = {}  # kind of step -> whether the kernel gave the reference's
@@ -179,7 +205,7 @@ def _kernel_agrees(kind):
 
 def folded_attention(original):
     """``scaled_dot_product_attention`` that decodes through ``latent_attention``
-    (on MLX's CUDA backend, its kernel where it agrees with it)."""
+    (on MLX's CUDA backend, its kernel where it agrees with it and is faster)."""
 
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale, mask, sinks=None

@@ -63,8 +63,7 @@ SOURCE = """
   // Below any score: a split or tile with no unmasked position weighs nothing.
   constexpr float LOW = -3.0e38f;
   extern __shared__ float smem[];
-  float* qs = smem;                   // HB x D queries
-  float* xs = qs + HB * D;            // TILE x (D + 1) latent rows
+  float* xs = smem;                   // TILE x (D + 1) latent rows
   float* ps = xs + TILE * (D + 1);    // HB x TILE scores, then weights
   float* st = ps + HB * TILE;         // HB each: max, sum, carry
 
@@ -81,9 +80,20 @@ SOURCE = """
   const int s0 = split * per;
   const int s1 = min(L, s0 + per);
 
-  for (int i = tid; i < HB * D; i += NT) {
-    int h = i / D;
-    qs[i] = h < nh ? q[((int64_t)b * H + h0 + h) * D + i % D] : 0.0f;
+  // Scores: each warp holds A heads' queries in registers, a lane the dims
+  // lane, lane + 32, ...; a position's dot products are summed across lanes.
+  constexpr int A = (HB + NT / 32 - 1) / (NT / 32);
+  constexpr int KD = D / 32;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  float qr[A][KD];
+#pragma unroll
+  for (int a = 0; a < A; ++a) {
+    const int h = warp * A + a;
+#pragma unroll
+    for (int k = 0; k < KD; ++k) {
+      qr[a][k] = h < nh ? q[((int64_t)b * H + h0 + h) * D + lane + 32 * k] : 0.0f;
+    }
   }
   if (tid < HB) {
     st[tid] = LOW;
@@ -125,24 +135,47 @@ SOURCE = """
     }
     __syncthreads();
 
-    for (int i = tid; i < HB * TILE; i += NT) {
-      int h = i / TILE;
-      int t = i % TILE;
-      float score = LOW;
-      if (h < nh && t < nt) {
-        const float* qh = qs + h * D;
-        const float* xt = xs + t * (D + 1);
-        float a = 0.0f;
-        for (int d = 0; d < D; ++d) {
-          a += qh[d] * xt[d];
-        }
-        if constexpr (HAS_MASK) {
-          a += static_cast<float>(mask[b * mask_strides[0] +
-              (h0 + h) * mask_strides[1] + (int64_t)(t0 + t) * mask_strides[3]]);
-        }
-        score = a;
+    for (int t = 0; t < TILE; ++t) {
+      float part[A];
+#pragma unroll
+      for (int a = 0; a < A; ++a) {
+        part[a] = 0.0f;
       }
-      ps[i] = score;
+      if (t < nt) {
+#pragma unroll
+        for (int k = 0; k < KD; ++k) {
+          const float x = xs[t * (D + 1) + lane + 32 * k];
+#pragma unroll
+          for (int a = 0; a < A; ++a) {
+            part[a] += qr[a][k] * x;
+          }
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < A; ++a) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+          part[a] += __shfl_xor_sync(0xffffffffu, part[a], offset);
+        }
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int a = 0; a < A; ++a) {
+          const int h = warp * A + a;
+          if (h < HB) {
+            float score = LOW;
+            if (h < nh && t < nt) {
+              score = part[a];
+              if constexpr (HAS_MASK) {
+                score += static_cast<float>(mask[b * mask_strides[0] +
+                    (h0 + h) * mask_strides[1] +
+                    (int64_t)(t0 + t) * mask_strides[3]]);
+              }
+            }
+            ps[h * TILE + t] = score;
+          }
+        }
+      }
     }
     __syncthreads();
 
@@ -165,18 +198,28 @@ SOURCE = """
     }
     __syncthreads();
 
+    // Each position's values are read once into registers for all heads.
 #pragma unroll
     for (int h = 0; h < HB; ++h) {
       const float carry = st[2 * HB + h];
-      const float* w = ps + h * TILE;
 #pragma unroll
       for (int j = 0; j < D / NT; ++j) {
-        const int d = tid + j * NT;
-        float a = acc[h][j] * carry;
-        for (int t = 0; t < nt; ++t) {
-          a += w[t] * xs[t * (D + 1) + d];
+        acc[h][j] *= carry;
+      }
+    }
+    for (int t = 0; t < nt; ++t) {
+      float xt[D / NT];
+#pragma unroll
+      for (int j = 0; j < D / NT; ++j) {
+        xt[j] = xs[t * (D + 1) + tid + j * NT];
+      }
+#pragma unroll
+      for (int h = 0; h < HB; ++h) {
+        const float w = ps[h * TILE + t];
+#pragma unroll
+        for (int j = 0; j < D / NT; ++j) {
+          acc[h][j] += w * xt[j];
         }
-        acc[h][j] = a;
       }
     }
     __syncthreads();
@@ -279,7 +322,7 @@ def prepare(queries, latent, scale, mask=None, packed=None):
         template=template,
         grid=(splits * NT, groups, B),
         threadgroup=(NT, 1, 1),
-        shared_memory=4 * (HB * D + TILE * (D + 1) + HB * TILE + 3 * HB),
+        shared_memory=4 * (TILE * (D + 1) + HB * TILE + 3 * HB),
         output_shapes=[(B, H, splits, D), (B, H, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )

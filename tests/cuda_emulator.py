@@ -1,8 +1,8 @@
 """Runs a kernel written for ``mx.fast.cuda_kernel`` on the CPU, so its
 arithmetic is tested where no GPU is: the same header and body, under the
 signature MLX generates (each input, then ``<name>_shape`` / ``_strides`` where
-the body names them, then the outputs), compiled with g++. Each block's
-threads are real threads meeting at ``__syncthreads`` on a barrier; blocks run
+the body names them, then the outputs), compiled with g++. A block's threads
+are fibers switched at ``__syncthreads`` and at each warp shuffle; blocks run
 one after another, so the dynamic shared memory is one array."""
 
 import ctypes
@@ -20,11 +20,12 @@ MAX_NDIM = 10  # mlx/backend/cuda/device/config.h
 PRELUDE = r"""
 #include <algorithm>
 #include <array>
-#include <barrier>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <math.h>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 #define __device__
@@ -50,10 +51,50 @@ struct __nv_bfloat16 {
 typedef _Float16 __half;
 
 struct Dim3 { unsigned x = 1, y = 1, z = 1; };
-thread_local Dim3 threadIdx, blockIdx;
-Dim3 blockDim, gridDim;
-std::barrier<>* block_barrier;
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+Dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// A block's threads are fibers on one OS thread, switched at each wait: a
+// barrier of the block (id 0) or of a warp (1 + warp) releases its waiters
+// once all its threads have arrived.
+struct Fiber {
+  ucontext_t context;
+  std::vector<char> stack;
+  int waits_on = -1;
+  unsigned long generation = 0;
+  bool done = false;
+};
+struct Barrier {
+  int threads = 0, arrived = 0;
+  unsigned long generation = 0;
+};
+std::vector<Fiber> fibers;
+std::vector<Barrier> barriers;
+ucontext_t scheduler;
+int current = 0;
+
+inline void wait_at(int id) {
+  Barrier& barrier = barriers[id];
+  if (++barrier.arrived == barrier.threads) {
+    barrier.arrived = 0;
+    ++barrier.generation;
+    return;
+  }
+  fibers[current].waits_on = id;
+  fibers[current].generation = barrier.generation;
+  swapcontext(&fibers[current].context, &scheduler);
+}
+inline void __syncthreads() { wait_at(0); }
+
+// A warp's 32 threads exchange values through its slots, between two waits.
+std::vector<std::array<float, 32>> warp_slots;
+inline float __shfl_xor_sync(unsigned, float value, int offset) {
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  warp_slots[warp][lane] = value;
+  wait_at(1 + warp);
+  const float other = warp_slots[warp][lane ^ offset];
+  wait_at(1 + warp);
+  return other;
+}
 using std::min;
 using std::max;
 
@@ -181,23 +222,65 @@ static mlx::core::cu::Strides to_strides(const int64_t* all, int i) {{
   return s;
 }}
 
+static void** g_data;
+static const int32_t* g_shapes;
+static const int64_t* g_strides;
+
+static void run_thread() {{
+  void** data = g_data;
+  const int32_t* shapes = g_shapes;
+  const int64_t* strides = g_strides;
+  mlx::core::cu::kernel({unpack});
+  fibers[current].done = true;
+}}
+
 extern "C" void launch(void** data, const int32_t* shapes,
     const int64_t* strides, int gx, int gy, int gz, int nt) {{
+  g_data = data;
+  g_shapes = shapes;
+  g_strides = strides;
   gridDim = Dim3{{unsigned(gx), unsigned(gy), unsigned(gz)}};
   blockDim = Dim3{{unsigned(nt), 1, 1}};
   for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y)
   for (int x = 0; x < gx; ++x) {{
-    std::barrier<> barrier(nt);
-    block_barrier = &barrier;
-    std::vector<std::thread> threads;
+    blockIdx = Dim3{{unsigned(x), unsigned(y), unsigned(z)}};
+    barriers.assign(1 + nt / 32, Barrier{{}});
+    barriers[0].threads = nt;
+    for (int w = 0; w < nt / 32; ++w) barriers[1 + w].threads = 32;
+    warp_slots.assign(nt / 32, {{}});
+    fibers.assign(nt, Fiber{{}});
     for (int t = 0; t < nt; ++t) {{
-      threads.emplace_back([=] {{
-        threadIdx = Dim3{{unsigned(t), 0, 0}};
-        blockIdx = Dim3{{unsigned(x), unsigned(y), unsigned(z)}};
-        mlx::core::cu::kernel({unpack});
-      }});
+      Fiber& f = fibers[t];
+      f.stack.resize(1 << 16);
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack.data();
+      f.context.uc_stack.ss_size = f.stack.size();
+      f.context.uc_link = &scheduler;
+      makecontext(&f.context, run_thread, 0);
     }}
-    for (auto& thread : threads) thread.join();
+    for (int running = nt; running > 0;) {{
+      bool moved = false;
+      running = 0;
+      for (int t = 0; t < nt; ++t) {{
+        Fiber& f = fibers[t];
+        if (f.done) continue;
+        if (f.waits_on >= 0 &&
+            barriers[f.waits_on].generation == f.generation) {{
+          ++running;
+          continue;  // still waiting
+        }}
+        f.waits_on = -1;
+        current = t;
+        threadIdx = Dim3{{unsigned(t), 0, 0}};
+        swapcontext(&scheduler, &f.context);
+        moved = true;
+        running += !f.done;
+      }}
+      if (!moved && running) {{
+        fprintf(stderr, "emulated kernel: threads wait at a barrier forever\\n");
+        abort();
+      }}
+    }}
   }}
 }}
 """
@@ -209,13 +292,14 @@ extern "C" void launch(void** data, const int32_t* shapes,
             lib = self.folder / f"kernel-{digest}.so"
             if not lib.exists():
                 src.write_text(code)
-                subprocess.run(
-                    ["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]
+                built = subprocess.run(
+                    ["g++", "-std=c++20", "-O2", "-shared", "-fPIC"]
                     + ["-Wno-unknown-pragmas", str(src), "-o", f"{lib}.{os.getpid()}"],
-                    check=True,
                     capture_output=True,
                     text=True,
                 )
+                if built.returncode:
+                    raise RuntimeError(f"g++ could not build {src}:\n{built.stderr}")
                 os.replace(f"{lib}.{os.getpid()}", lib)
             self.libraries[digest] = ctypes.CDLL(str(lib))
         return self.libraries[digest]
@@ -240,6 +324,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
         )
         (gx, gy, gz), (tx, ty, tz) = grid, threadgroup
         assert ty == tz == 1 and gx % tx == 0, "one-dimensional blocks only"
+        assert tx % 32 == 0, "whole warps only"
         launch(
             data,
             shapes.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),

@@ -6,6 +6,7 @@ other machines its source runs on the CPU (tests/cuda_emulator.py)."""
 
 import logging
 import math
+import time
 
 import mlx.core as mx
 import pytest
@@ -18,7 +19,7 @@ from mlx_lm_mla import decode, decode_cuda, tiny
 from mlx_lm_mla.cache import quantize_latent
 
 ON_CUDA = decode_cuda.available()
-TOKENS = [(5 * i + 7) % 190 + 5 for i in range(110)]
+TOKENS = [(5 * i + 7) % 190 + 5 for i in range(140)]
 
 
 @pytest.fixture(scope="module")
@@ -140,30 +141,86 @@ def test_steps_the_kernel_has_no_variant_for_are_left_to_the_reference(
     assert decode_cuda.prepare(q, x, 0.1, None, packed) is None
 
 
+class Measured(dict):
+    """``decode._KERNEL_FASTER`` as if every length had measured ``faster``."""
+
+    def __init__(self, faster):
+        super().__init__()
+        self.faster = faster
+
+    def __contains__(self, key):
+        return True
+
+    def __getitem__(self, key):
+        return self.faster
+
+
 @pytest.fixture
-def through_the_kernel(kernel, monkeypatch):
-    """Decode steps take the kernel path, checked afresh; returns its calls."""
+def kernel_calls(kernel, monkeypatch):
+    """Decode steps may take the kernel path, checked and measured afresh;
+    returns its calls: whether each read a cache's bytes."""
     seen = []
 
     def recording(*args):
-        seen.append(args[-1] is not None)  # whether it read a cache's bytes
+        seen.append(args[-1] is not None)
         return kernel(*args)
 
     monkeypatch.setattr(decode_cuda, "available", lambda: True)
     monkeypatch.setattr(decode_cuda, "latent_attention", recording)
     monkeypatch.setattr(decode, "_KERNEL_AGREES", {})
+    monkeypatch.setattr(decode, "_KERNEL_FASTER", {})
     return seen
 
 
-def decode_logits(model, bits=None):
+@pytest.fixture
+def through_the_kernel(kernel_calls, monkeypatch):
+    """Decode steps take the kernel path (as where it measured faster)."""
+    monkeypatch.setattr(decode, "_KERNEL_FASTER", Measured(True))
+    return kernel_calls
+
+
+def decode_logits(model, bits=None, prefill=90):
     cache = make_prompt_cache(model)
-    model(mx.array([TOKENS[:90]]), cache=cache)
+    model(mx.array([TOKENS[:prefill]]), cache=cache)
     if bits:
         maybe_quantize_kv_cache(
             cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
         )
-    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[90:]]
+    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[prefill:]]
     return mx.concatenate(steps, axis=1)
+
+
+def slowed(run, seconds=0.2):
+    def slow(*args):
+        time.sleep(seconds)
+        return run(*args)
+
+    return slow
+
+
+def test_the_kernel_serves_a_length_only_where_it_measured_faster(
+    installed, kernel_calls, monkeypatch
+):
+    # Steps at 121 to 140 positions: measured at 121 and again at 128.
+    model, _ = tiny.build_model("glm4_moe_lite")
+    monkeypatch.setattr(
+        decode_cuda, "latent_attention", slowed(decode_cuda.latent_attention)
+    )
+    got = decode_logits(model, prefill=120)
+    # One check of the step's kind, then a warm-up and three timed calls each.
+    assert len(kernel_calls) == 1 + 4 + 4
+    assert mx.array_equal(got, portable_logits(model, monkeypatch, prefill=120)).item()
+
+
+def test_a_kernel_measured_faster_serves_every_step_of_its_length(
+    installed, kernel_calls, monkeypatch
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    monkeypatch.setattr(decode, "latent_attention", slowed(decode.latent_attention))
+    decode_logits(model, prefill=120)
+    steps = len(TOKENS) - 120
+    layers = len(model.layers)
+    assert len(kernel_calls) == 1 + 4 + 4 + steps * layers
 
 
 def portable_logits(model, monkeypatch, **kwargs):
