@@ -60,8 +60,9 @@ __device__ inline void mla_unpack(
 """
 
 SOURCE = """
-  // Below any score: a split or tile with no unmasked position weighs nothing.
-  constexpr float LOW = -3.0e38f;
+  // The lowest float, as a masked score is: a block whose positions are all
+  // masked weighs nothing beside one that has any; all masked, all count.
+  constexpr float LOW = -3.402823466e38f;
   extern __shared__ float smem[];
   float* xs = smem;                   // TILE x (D + 1) latent rows
   float* ps = xs + TILE * (D + 1);    // HB x TILE scores, then weights
@@ -304,7 +305,10 @@ def prepare(queries, latent, scale, mask=None, packed=None):
     q = mx.contiguous((queries * scale).astype(mx.float32).reshape(B, H, D))
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
-    splits = max(1, min(math.ceil(BLOCKS / (B * groups)), math.ceil(L / TILE)))
+    # Whole tiles a block, as the kernel shares them out: no block left idle.
+    tiles = math.ceil(L / TILE)
+    per = math.ceil(tiles / max(1, min(math.ceil(BLOCKS / (B * groups)), tiles)))
+    splits = math.ceil(tiles / per)
     template = [
         ("D", D),
         ("HB", HB),
@@ -316,6 +320,8 @@ def prepare(queries, latent, scale, mask=None, packed=None):
         ("SCALE_AT", scale_at),
         ("BIAS_AT", scale_at + D // group_size * dtype.size),
         ("LT", dtype),
+        # MLX names a kernel by its template: every input dtype that varies.
+        ("MT", mask.dtype),
     ]
     return dict(
         inputs=[q, x, v, mask],

@@ -6,7 +6,6 @@ other machines its source runs on the CPU (tests/cuda_emulator.py)."""
 
 import logging
 import math
-import time
 
 import mlx.core as mx
 import pytest
@@ -190,37 +189,74 @@ def decode_logits(model, bits=None, prefill=90):
     return mx.concatenate(steps, axis=1)
 
 
-def slowed(run, seconds=0.2):
-    def slow(*args):
-        time.sleep(seconds)
-        return run(*args)
+@pytest.fixture
+def timed(monkeypatch):
+    """``decode._seconds`` as measured: the kernel's ``seconds["kernel"]``, the
+    portable path's ``seconds["portable"]``; returns the runs it timed."""
+    seconds, runs = {}, []
 
-    return slow
+    def measured(run):
+        runs.append(run.__name__)
+        return seconds[run.__name__]
+
+    monkeypatch.setattr(decode, "_seconds", measured)
+    return seconds, runs
 
 
 def test_the_kernel_serves_a_length_only_where_it_measured_faster(
-    installed, kernel_calls, monkeypatch
+    installed, kernel_calls, timed, monkeypatch
 ):
     # Steps at 121 to 140 positions: measured at 121 and again at 128.
+    seconds, runs = timed
+    seconds.update(kernel=2.0, portable=1.0)
     model, _ = tiny.build_model("glm4_moe_lite")
-    monkeypatch.setattr(
-        decode_cuda, "latent_attention", slowed(decode_cuda.latent_attention)
-    )
     got = decode_logits(model, prefill=120)
-    # One check of the step's kind, then a warm-up and three timed calls each.
-    assert len(kernel_calls) == 1 + 4 + 4
+    assert sorted(runs) == ["kernel", "kernel", "portable", "portable"]
+    assert len(kernel_calls) == 1  # the check of the step's kind
     assert mx.array_equal(got, portable_logits(model, monkeypatch, prefill=120)).item()
 
 
 def test_a_kernel_measured_faster_serves_every_step_of_its_length(
-    installed, kernel_calls, monkeypatch
+    installed, kernel_calls, timed
 ):
+    seconds, runs = timed
+    seconds.update(kernel=1.0, portable=2.0)
     model, _ = tiny.build_model("glm4_moe_lite")
-    monkeypatch.setattr(decode, "latent_attention", slowed(decode.latent_attention))
     decode_logits(model, prefill=120)
-    steps = len(TOKENS) - 120
-    layers = len(model.layers)
-    assert len(kernel_calls) == 1 + 4 + 4 + steps * layers
+    assert len(runs) == 4
+    assert len(kernel_calls) == 1 + (len(TOKENS) - 120) * len(model.layers)
+
+
+QUANTIZED = (64, 4, 512, "bfloat16", 64, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        (20, 512, mx.bfloat16, mx.bfloat16, mx.bfloat16),
+        (20, 512, mx.bfloat16, mx.bfloat16, None),
+        (20, 512, mx.float16, mx.float16, mx.float16),
+        (20, 512, mx.float32, mx.float32, mx.bool_),
+        (20, 512, mx.bfloat16, QUANTIZED, mx.bfloat16),
+        (64, 512, mx.bfloat16, (64, 8, 512, "bfloat16", 64, "bfloat16"), None),
+    ],
+    ids=["bf16", "bf16-no-mask", "f16", "f32-bool-mask", "4-bit", "8-bit-64-heads"],
+)
+def test_the_kernel_passes_its_check_on_each_kind_of_step(kernel, monkeypatch, kind):
+    monkeypatch.setattr(decode_cuda, "latent_attention", kernel)
+    assert decode._kernel_agrees(kind)
+
+
+def test_a_kernel_that_drops_the_mask_fails_its_check(kernel, monkeypatch):
+    monkeypatch.setattr(decode_cuda, "latent_attention", lambda *a: kernel(*a[:3]))
+    assert not decode._kernel_agrees((20, 512, mx.bfloat16, QUANTIZED, mx.bfloat16))
+
+
+def test_a_row_whose_every_position_is_masked_attends_as_the_reference(kernel):
+    q, x = queries(), latent()
+    mask = mx.array([[False] * 150, [i % 3 == 0 for i in range(150)]])[:, None, None]
+    got = kernel(q, x, 0.05, mask)
+    assert close(got, decode.latent_attention(q, x, 0.05, mask), mx.float32)
 
 
 def portable_logits(model, monkeypatch, **kwargs):
