@@ -59,12 +59,6 @@ def packed_cache(cache, latent):
     return None
 
 
-def latent_reader(cache, latent):
-    """``read`` of the cache (or CacheList member) that last fetched ``latent``."""
-    c = packed_cache(cache, latent)
-    return None if c is None else c.latent_reader(latent)
-
-
 def latent_attention(queries, latent, scale, mask=None, read=None):
     """``softmax(scale * q @ latent.T + mask) @ latent`` for ``queries`` (B, H, 1, D)
     over ``latent`` (B, 1, L, D); ``read``, where given, returns its rows instead
@@ -222,12 +216,12 @@ def folded_attention(original):
         if is_latent_decode(queries, keys, values, mask, sinks) and not hasattr(
             cache, "bits"
         ):
-            packed = packed_cache(cache, keys)
+            owner = packed_cache(cache, keys)
             if decode_cuda.available():
-                out = kernel_attention(queries, keys, scale, mask, packed)
+                out = kernel_attention(queries, keys, scale, mask, owner)
                 if out is not None:
                     return out
-            read = None if packed is None else packed.latent_reader(keys)
+            read = None if owner is None else owner.latent_reader(keys)
             return latent_attention(queries, keys, scale, mask, read)
         return original(
             queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
