@@ -3,6 +3,7 @@ holds at this mlx-lm, and one that does not, of each kind, is named in
 missing() and in one log line, and switches off its feature alone."""
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import re
@@ -20,6 +21,7 @@ from mlx_lm_mla.patches.table import (
     DISK,
     EVERYTHING,
     KV_BATCHING,
+    QUANTIZE,
     RECOVERY,
     REQUEST_CHECKS,
     REUSE,
@@ -82,7 +84,7 @@ def assert_only_off(feature, all_features, caplog, name):
 
 
 def test_every_name_of_the_contract_holds_at_this_mlx_lm(server):
-    rows = [row for row in contract.NAMES if contract.applies(row)]
+    rows = [row for row in contract.rows() if contract.applies(row)]
     problems = {row.label: contract.problem(row) for row in rows}
     assert problems == {row.label: None for row in rows}
 
@@ -97,7 +99,7 @@ def test_a_name_of_a_later_mlx_lm_is_checked_from_that_release_on(monkeypatch):
 
 
 def test_every_name_is_read_by_a_feature_of_the_patch_table(all_features):
-    read = {feature for row in contract.NAMES for feature in row.features}
+    read = {feature for row in contract.rows() for feature in row.features}
     assert read <= all_features | {EVERYTHING, TINY}
 
 
@@ -314,3 +316,68 @@ def test_a_tiny_model_needs_the_names_it_reads_and_names_what_is_gone(monkeypatc
         RuntimeError, match=r"mlx_lm\.utils\._get_classes: takes \(model_config\)"
     ):
         tiny.build_model("glm4_moe_lite")
+
+
+# --- the reads with a fallback: a model's, its attention's, tuples, switches ---
+
+
+def assert_off(features, all_features, caplog, name):
+    install_logged(caplog)
+    assert patches.missing() == [name]
+    off = {f for f in all_features if f not in features_on()}
+    assert off == set(features) & all_features
+
+
+def test_a_model_whose_layers_are_renamed_switches_off_what_reads_them(
+    server, all_features, monkeypatch, caplog
+):
+    glm = importlib.import_module("mlx_lm.models.glm4_moe_lite")
+    monkeypatch.delattr(glm.Model, "layers")
+    name = "mlx_lm.models.glm4_moe_lite.Model.layers"
+    assert_off((QUANTIZE, CACHE_CHECKS, KV_BATCHING), all_features, caplog, name)
+    assert KV_BATCHING not in features_on()
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    """deepseek_v3's ModelArgs, its context under another name."""
+
+    model_type: str = "deepseek_v3"
+    vocab_size: int = 1
+    context_length: int = 1
+
+
+def test_model_arguments_renamed_switch_off_the_request_checks_alone(
+    server, all_features, monkeypatch, caplog
+):
+    deepseek = importlib.import_module("mlx_lm.models.deepseek_v3")
+    monkeypatch.setattr(deepseek, "ModelArgs", ModelArgs)
+    name = "mlx_lm.models.deepseek_v3.ModelArgs.max_position_embeddings"
+    assert_only_off(REQUEST_CHECKS, all_features, caplog, name)
+
+
+def _generate(self):
+    """ResponseGenerator._generate reading _tokenize's tuple in another order."""
+    rqueue, request, args = self._next_request()
+    segments, prompt, segment_types, state, _ = self._tokenize(None, request, args)
+
+
+def test_a_tuple_read_by_position_in_another_order_switches_off_its_feature_alone(
+    server, all_features, monkeypatch, caplog
+):
+    monkeypatch.setattr(server.ResponseGenerator, "_generate", _generate)
+    name = "mlx_lm.server.ResponseGenerator._tokenize()"
+    try:
+        assert_only_off(REQUEST_CHECKS, all_features, caplog, name)
+    finally:  # its wrappers go before monkeypatch puts the original back
+        mlx_lm_mla.uninstall()
+
+
+def test_a_version_switch_that_no_longer_tells_releases_apart_switches_off(
+    server, all_features, monkeypatch, caplog
+):
+    cache = importlib.import_module("mlx_lm.models.cache")
+    monkeypatch.setattr(mlx_lm, "__version__", "0.32.2")
+    monkeypatch.setattr(cache.KVCache, "meta_state", property(tuple), raising=False)
+    name = "mlx_lm.models.cache.KVCache.meta_state"
+    assert_only_off(QUANTIZE, all_features, caplog, name)

@@ -122,7 +122,7 @@ _checked = {}  # label of a contract row: its problem or None, per install
 def broken_names(features):
     """{feature: labels of the contract rows it relies on that do not hold}."""
     broken = {}
-    for row in contract.NAMES:
+    for row in contract.rows():
         relied = [f for f in row.features if f in features]
         if relied and contract.applies(row):
             if row.label not in _checked:

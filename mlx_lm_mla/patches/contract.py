@@ -10,11 +10,12 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Tuple
 
 from packaging.version import Version
 
-from ..mla import definition, self_fields
+from ..mla import definition, find_attention, model_types, self_fields
 from .table import (
     CACHE_CHECKS,
     DISK,
@@ -82,6 +83,30 @@ class Holds:
     defines (``--kv-bits`` is read back as ``cli_args.kv_bits``)."""
 
     text: str
+
+
+@dataclass(frozen=True)
+class Member:
+    """An attribute of the class's instances however it is made: a property, a
+    method, a class attribute, or a field its or a base class's source sets."""
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A tuple the function returns, read by position: mlx-lm's own ``by``
+    unpacks it into ``names`` (leading), which says what each position holds."""
+
+    by: str
+    names: Tuple[str, ...]
+    module: Optional[str] = None  # of ``by``, if not the row's
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A name the package picks its path by: there before mlx-lm ``until``,
+    gone from it on."""
+
+    until: str
 
 
 @dataclass(frozen=True)
@@ -159,6 +184,15 @@ NAMES = (
     ),
     *_rows(
         CACHE,
+        (QUANTIZE,),
+        (
+            "KVCache.meta_state",
+            Switch("0.32.0"),
+            "the packed format travels in it where it is, else at the end of state",
+        ),
+    ),
+    *_rows(
+        CACHE,
         (REUSE,),
         ("_BaseCache.is_trimmable", Method(("self",)), "whether it can step back"),
         ("LRUPromptCache._trie", Field(of="PromptTrie"), "candidates are checked"),
@@ -193,6 +227,24 @@ NAMES = (
             "save_prompt_cache",
             Method(("file_name", "cache", "metadata")),
             "a file is written once into a checksum's sink, then to disk",
+        ),
+    ),
+    *_rows(
+        CACHE,
+        (FILES,),
+        (
+            "load_prompt_cache()",
+            Unpacked("main", ("prompt_cache", "metadata"), GENERATE),
+            "with return_metadata: the metadata loses the package's entries",
+        ),
+    ),
+    *_rows(
+        CACHE,
+        (REUSE, DISK),
+        (
+            "LRUPromptCache.fetch_nearest_cache()",
+            Unpacked("ResponseGenerator._serve_single", ("cache", "rest"), SERVER),
+            "a fetched cache is checked against the tokens it leaves",
         ),
     ),
     *_rows(
@@ -268,7 +320,24 @@ NAMES = (
     ),
     *_rows(
         SERVER,
+        (REQUEST_CHECKS,),
+        (
+            "ResponseGenerator._tokenize()",
+            Unpacked(
+                "ResponseGenerator._generate", ("prompt", "segments", "segment_types")
+            ),
+            "the prompt's tokens are checked; a no-store request's segment types "
+            "are dropped",
+        ),
+    ),
+    *_rows(
+        SERVER,
         (RECOVERY,),
+        (
+            "ResponseGenerator._next_request()",
+            Unpacked("ResponseGenerator._generate", ("rqueue", "request", "args")),
+            "the reply queue is watched, the request's state found",
+        ),
         ("ResponseGenerator._stop", Field(), "a restarted loop ends with it"),
         ("GenerationContext", Exists(("stop",)), "a failed request's row ends"),
         ("Response.token", Field(), "the tokens a cancelled request got"),
@@ -308,6 +377,26 @@ NAMES = (
             "the vocabulary size where the model's config does not give one",
         ),
     ),
+    # --- the MLA models' arguments (each MLA model's own: model_rows) ---------
+    *(
+        row
+        for module in ("mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
+        for row in _rows(
+            module,
+            (REQUEST_CHECKS,),
+            (
+                "ModelArgs.max_position_embeddings",
+                Field(),
+                "max_tokens is checked against the context (none given: the "
+                "ceiling alone, as for Kimi's, whose arguments hold a text config)",
+            ),
+            (
+                "ModelArgs.vocab_size",
+                Field(),
+                "logit_bias ids are checked against it (else the tokenizer's)",
+            ),
+        )
+    ),
     # --- mlx and the standard library -----------------------------------------
     *_rows(
         "mlx.core",
@@ -326,6 +415,25 @@ NAMES = (
             "BaseHTTPRequestHandler._headers_buffer",
             Field(),
             "a buffered 200 is dropped so a failed request gets one 500",
+        ),
+    ),
+    *_rows(
+        "mlx_lm",
+        (TINY,),
+        ("load", Method(("path_or_hf_repo",)), "a tiny model is loaded back"),
+    ),
+    *_rows(
+        CACHE,
+        (TINY,),
+        ("KVCache.nbytes", Property(), "repro and the model table count bytes"),
+    ),
+    *_rows(
+        GENERATE,
+        (TINY,),
+        (
+            "generate_step()[]",
+            Unpacked("stream_generate", ("token", "logprobs")),
+            "repro reads each step's token",
         ),
     ),
     *_rows(
@@ -350,11 +458,49 @@ NAMES = (
 )
 BY_LABEL = {row.label: row for row in NAMES}
 
+# What the package reads on any model, in each installed MLA model's module.
+_MODEL = (
+    ("Model.layers", Member(), (QUANTIZE, CACHE_CHECKS, KV_BATCHING), "its layers"),
+    ("Model.args", Member(), (REQUEST_CHECKS,), "its context and vocabulary"),
+)
+_ATTENTION = (
+    ("kv_lora_rank", "a cached latent's width"),
+    ("qk_rope_head_dim", "a cached RoPE key's width"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_rows(folder):
+    found, _ = find_attention(folder)
+    rows = [
+        Name(f"mlx_lm.models.{model_type}", name, expects, features, why)
+        for model_type in model_types(folder)
+        for name, expects, features, why in _MODEL
+    ]
+    rows += [
+        Name(f"mlx_lm.models.{module}", f"{cls}.{field}", Field(), (CACHE_CHECKS,), why)
+        for module, cls, _ in found
+        for field, why in _ATTENTION
+    ]
+    return tuple(rows)
+
+
+def model_rows():
+    """Rows for the installed MLA models: each model type's ``Model`` and each MLA
+    attention class (a prompt cache is checked against its widths)."""
+    models = importlib.import_module("mlx_lm.models")
+    return _model_rows(str(Path(models.__file__).parent))
+
+
+def rows():
+    """Every row at this mlx-lm: ``NAMES`` and the MLA models' own."""
+    return NAMES + model_rows()
+
 
 def unmet(feature):
     """``{label: problem}`` of the rows of ``feature`` that do not hold."""
-    rows = [row for row in NAMES if feature in row.features and applies(row)]
-    return {row.label: p for row in rows if (p := problem(row)) is not None}
+    relied = [row for row in NAMES if feature in row.features and applies(row)]
+    return {row.label: p for row in relied if (p := problem(row)) is not None}
 
 
 def applies(row):
@@ -371,7 +517,9 @@ def _resolve(module, dotted):
         owner = getattr(owner, part, None)
         if owner is None:
             return None
-    return getattr(owner, "mlx_lm_mla_original", owner)
+    while hasattr(owner, "mlx_lm_mla_original"):  # wrapped more than once
+        owner = owner.mlx_lm_mla_original
+    return owner
 
 
 @functools.lru_cache(maxsize=None)
@@ -461,9 +609,20 @@ def problem(row):
         if node is None or expects.text not in _strings(node):
             return f"its source has no {expects.text!r}"
         return None
+    if isinstance(expects, Switch):
+        there = found is not None
+        import mlx_lm
+
+        if there != (Version(mlx_lm.__version__) < Version(expects.until)):
+            return f"{'there' if there else 'gone'}; expected gone from {expects.until}"
+        return None
+    if isinstance(expects, Unpacked):
+        return _unpacked_problem(row)
     cls = _resolve(row.module, owner_path) if owner_path else None
     if not isinstance(cls, type):
         return "not found"
+    if isinstance(expects, Member):
+        return None if _member(cls, name) else "not found"
     if isinstance(expects, Property):
         prop = inspect.getattr_static(cls, name, None)
         if not isinstance(prop, property) or expects.settable and prop.fset is None:
@@ -477,6 +636,28 @@ def problem(row):
         if not isinstance(getattr(cls(), name, None), kind or ()):
             return f"not a {expects.of}"
     return None
+
+
+def _member(cls, name):
+    for base in cls.__mro__[:-1]:  # not object
+        node = definition(base)
+        if name in vars(base) or node is not None and name in _declared(node):
+            return True
+    return False
+
+
+def _unpacked_problem(row):
+    by = _resolve(row.expects.module or row.module, row.expects.by)
+    node = definition(by) if by is not None else None
+    if node is None:
+        return f"{row.expects.by} not found"
+    wanted = list(row.expects.names)
+    for n in ast.walk(node):
+        if isinstance(n, ast.Tuple) and isinstance(n.ctx, ast.Store):
+            names = [getattr(e, "id", None) for e in n.elts]
+            if names[: len(wanted)] == wanted:
+                return None
+    return f"{row.expects.by} unpacks no ({', '.join(wanted)}, ...)"
 
 
 _P = inspect.Parameter
