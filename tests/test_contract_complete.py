@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 from pathlib import Path
 
+import mlx.nn as nn
 import pytest
 
 import mlx_lm_mla
@@ -151,12 +152,18 @@ HOLDS = {
     f"{SERVER}._make_sampler(tokenizer)": "mlx_lm.tokenizer_utils.TokenizerWrapper",
     f"{SERVER}._make_logits_processors(args)": f"{SERVER}.GenerationArguments",
     "mlx_lm.tokenizer_utils.TokenizerWrapper._tokenizer": None,
+    "mlx_lm.utils._get_classes()[0]()": "<model>",
+    "mlx_lm.utils._get_classes()[1]": "mlx_lm.models.base.BaseModelArgs",
+    "mlx_lm.utils.quantize_model()[0]": "<model>",
+    "mlx_lm.utils.quantize_model()[1]": None,
+    "<model>.cast_predicate": None,
 }
 
 # What the package's own helpers return, where it reads on it.
 RETURNS = {
     "mlx_lm_mla.mla.leaves": "list:<cache>",
     "mlx_lm_mla.mla.latent_modules": "list:<attention>",
+    "mlx_lm_mla.tiny._mlx_lm_utils": "mlx_lm.utils",
 }
 
 # Reads that are no row, and why.
@@ -338,6 +345,21 @@ class Reads:
         self.reads = set()
         self.changed = False
         self.own_cache = _own_cache_names()
+        # {name: (def, 1, label)} of the methods one class of the package has
+        # and no builtin type does: a call of one on a value of unknown kind.
+        methods = {}
+        for source in sources:
+            for cls in source.classes.values():
+                for n in cls.body:
+                    if isinstance(n, ast.FunctionDef) and not n.name.startswith("__"):
+                        label = f"{source.name}.{cls.name}.{n.name}"
+                        methods.setdefault(n.name, []).append((n, 1, label))
+        builtin = set().union(*(dir(t) for t in (dict, list, set, str, bytes)))
+        self.methods = {
+            name: found[0]
+            for name, found in methods.items()
+            if len(found) == 1 and name not in builtin
+        }
         # Names read on a stock class to pick a path by release, not the
         # package's own though it defines them too.
         self.switches = {
@@ -371,6 +393,8 @@ class Reads:
             return None  # Python's, or the package's own
         if base == "<cache>" and name in self.own_cache:
             return None
+        if base in ("<model>", "<attention>") and hasattr(nn.Module, name):
+            return None  # mlx's, not mlx-lm's
         base, at, _ = base.partition("@")
         label = f"{base}.{name}"
         if _stock(base) and _is_module(label):
@@ -527,6 +551,8 @@ class Reads:
             and value.id in (env.get("<self>"),)
         ):
             return self._in(self.source.name, f"{env['<class>']}.{func.attr}", 1)
+        if self.kind(value, env) is None:  # a method only one class of ours has
+            return self.methods.get(func.attr)
         return None
 
     def pass_arguments(self, target, node, env):

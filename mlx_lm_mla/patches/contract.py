@@ -449,6 +449,30 @@ NAMES = (
             Method(("model", "config", "group_size", "bits")),
             "a tiny model is quantized as mlx_lm.convert quantizes",
         ),
+        (
+            "_get_classes()",
+            Unpacked("load_model", ("model_class", "model_args_class")),
+            "the classes a tiny model is built of",
+        ),
+        (
+            "quantize_model()",
+            Unpacked("convert", ("model", "config"), "mlx_lm.convert"),
+            "the quantized tiny model and its config",
+        ),
+    ),
+    *_rows(
+        "mlx_lm.models.base",
+        (TINY,),
+        ("BaseModelArgs.from_dict", Method(("params",)), "a tiny model's arguments"),
+    ),
+    *(
+        row
+        for module in ("mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe_lite")
+        for row in _rows(
+            module,
+            (TINY,),
+            ("Model.cast_predicate", Member(), "a tiny model is cast as convert does"),
+        )
     ),
     *_rows(
         "socketserver",
