@@ -381,3 +381,31 @@ def test_a_version_switch_that_no_longer_tells_releases_apart_switches_off(
     monkeypatch.setattr(cache.KVCache, "meta_state", property(tuple), raising=False)
     name = "mlx_lm.models.cache.KVCache.meta_state"
     assert_only_off(QUANTIZE, all_features, caplog, name)
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """What an MLA attention calls (mla.calls reads the call by its name)."""
+
+
+class Glm4MoeLiteAttention:
+    """glm4_moe_lite's MLA attention, its RoPE width under another name."""
+
+    def __init__(self):
+        self.kv_lora_rank, self.embed_q, self.rope_width = 1, None, 1
+
+    def __call__(self, x, mask=None, cache=None):
+        return scaled_dot_product_attention(x, x, x, cache, 1.0, mask)
+
+
+def test_an_attention_width_renamed_switches_off_the_cache_checks_alone(
+    server, all_features, monkeypatch, caplog
+):
+    glm = importlib.import_module("mlx_lm.models.glm4_moe_lite")
+    monkeypatch.setattr(glm, "Glm4MoeLiteAttention", Glm4MoeLiteAttention)
+    name = "mlx_lm.models.glm4_moe_lite.Glm4MoeLiteAttention.qk_rope_head_dim"
+    off, line = install_logged(caplog)
+    assert patches.missing() == [name] and off == [CACHE_CHECKS]
+    # The class's own features are named for the module that defines it.
+    own = {f for f in all_features if "glm4_moe_lite" in f}
+    assert features_on() >= all_features - own - {CACHE_CHECKS}
+    assert CACHE_CHECKS not in features_on()
