@@ -268,6 +268,10 @@ def test_a_flag_no_more_defined_switches_off_the_features_that_read_it(
     monkeypatch.setattr(
         server.ResponseGenerator, "generation_available", available, raising=False
     )
+    cache = importlib.import_module("mlx_lm.models.cache")
+    for c in cache.KVCache.__mro__:  # nor meta_state
+        if "meta_state" in vars(c):
+            monkeypatch.delattr(c, "meta_state")
     off, line = install_logged(caplog)
     assert patches.missing() == ['mlx_lm.server.main "--kv-bits"']
     assert set(off) == {KV_BATCHING, DISK}
@@ -377,8 +381,11 @@ def test_a_version_switch_that_no_longer_tells_releases_apart_switches_off(
     server, all_features, monkeypatch, caplog
 ):
     cache = importlib.import_module("mlx_lm.models.cache")
-    monkeypatch.setattr(mlx_lm, "__version__", "0.32.2")
-    monkeypatch.setattr(cache.KVCache, "meta_state", property(tuple), raising=False)
+    if hasattr(cache.KVCache, "meta_state"):  # before 0.32: gone, as after
+        owner = next(c for c in cache.KVCache.__mro__ if "meta_state" in vars(c))
+        monkeypatch.delattr(owner, "meta_state")
+    else:  # from 0.32 on: back, as before
+        monkeypatch.setattr(cache.KVCache, "meta_state", property(tuple), raising=False)
     name = "mlx_lm.models.cache.KVCache.meta_state"
     assert_only_off(QUANTIZE, all_features, caplog, name)
 
