@@ -8,9 +8,10 @@ or ``importlib.import_module`` of an mlx-lm module; the parameters of every
 replacement the patch table installs (its ``self`` is the patched class, the
 others what the original takes: ``HOLDS`` says what that is); what a read or a
 call on those gives (``HOLDS`` again, else the read's own label, so a read on an
-undeclared value fails by its chain); the package's own helpers, whose
-parameters take what their callers pass; the ``self`` of a class that subclasses
-mlx-lm's. A read is ``x.name``, ``getattr``/``hasattr`` with a string, an item
+undeclared value fails by its chain); the package's own functions and
+methods (a method only one of its classes has, on a value of unknown kind),
+whose parameters take what their callers pass; the ``self`` of a class that
+subclasses mlx-lm's (or is mixed into one). A read is ``x.name``, ``getattr``/``hasattr`` with a string, an item
 by position (``x[0]``, ``x[1:]``, tuple unpacking), or iterating a list of them.
 """
 
@@ -18,6 +19,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import re
 from pathlib import Path
 
 import mlx.nn as nn
@@ -202,10 +204,6 @@ def _resolve(label):
     return found
 
 
-def _has(cls, name):
-    return hasattr(cls, name) or contract._member(cls, name)
-
-
 class Source:
     """One module of the package: its defs, classes and imports."""
 
@@ -262,22 +260,10 @@ def _replacements():
             value = inspect.getattr_static(owner, name, None)
             value = getattr(value, "__func__", getattr(value, "fget", value))
         applied.append((owner, name, label, value))
-    attention = {f"mlx_lm.models.{m}.{c}" for m, c, _ in _attention()}
     found = {}
     for owner, name, label, value in applied:
-        cls = (
-            f"{owner.__module__}.{owner.__qualname__}"
-            if isinstance(owner, type)
-            else None
-        )
-        if cls in attention:
-            cls, label = "<attention>", f"<attention>.{name}"
-        elif (
-            cls is None
-            and label.startswith("mlx_lm.models.")
-            and ".cache." not in label
-        ):
-            label = f"<mla>.{name}"
+        label = _as_read(label)
+        cls = label.rpartition(".")[0] if isinstance(owner, type) else None
         chain = []
         while hasattr(value, "__code__") and Path(
             value.__code__.co_filename
@@ -300,6 +286,17 @@ def _attention():
     models = importlib.import_module("mlx_lm.models")
     found, _ = mla.find_attention(Path(models.__file__).parent)
     return found
+
+
+def _as_read(label):
+    """A replaced target's label as a read names it: an MLA attention's as
+    ``<attention>.name``, another MLA model module's global as ``<mla>.name``."""
+    owner, _, name = label.rpartition(".")
+    if owner in {f"mlx_lm.models.{m}.{c}" for m, c, _ in _attention()}:
+        return f"<attention>.{name}"
+    if label.startswith("mlx_lm.models.") and ".cache." not in label:
+        return f"<mla>.{name}"
+    return label
 
 
 def _defined_by(cls, name):
@@ -780,16 +777,7 @@ def _replaced():
     import mlx_lm.server  # noqa: F401
 
     mlx_lm_mla.install()
-    attention = {f"mlx_lm.models.{m}.{c}" for m, c, _ in _attention()}
-    found = set()
-    for label in patches.installed():
-        found.add(label)
-        owner, _, name = label.rpartition(".")
-        if owner in attention:
-            found.add(f"<attention>.{name}")
-        elif label.startswith("mlx_lm.models.") and ".cache." not in label:
-            found.add(f"<mla>.{name}")
-    return found
+    return {read for label in patches.installed() for read in (label, _as_read(label))}
 
 
 def _flags():
@@ -804,7 +792,7 @@ def _flags():
     return held | {hooks.DIR, hooks.BYTES, hooks.MIN_TOKENS}
 
 
-_POSITION = __import__("re").compile(r"^(.*\(\)(?:\[\])?)\[(\d+)(:?)\]$")
+_POSITION = re.compile(r"^(.*\(\)(?:\[\])?)\[(\d+)(:?)\]$")
 
 
 def uncovered(reads):

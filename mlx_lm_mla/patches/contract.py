@@ -499,14 +499,26 @@ def _model_rows(folder):
     rows = [
         Name(f"mlx_lm.models.{model_type}", name, expects, features, why)
         for model_type in model_types(folder)
+        if _imports(f"mlx_lm.models.{model_type}")
         for name, expects, features, why in _MODEL
     ]
     rows += [
         Name(f"mlx_lm.models.{module}", f"{cls}.{field}", Field(), (CACHE_CHECKS,), why)
         for module, cls, _ in found
+        if _imports(f"mlx_lm.models.{module}")
         for field, why in _ATTENTION
     ]
     return tuple(rows)
+
+
+def _imports(module):
+    # A model module that cannot be imported here (a dependency it lacks) loads
+    # no model: nothing of it is read.
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def model_rows():
