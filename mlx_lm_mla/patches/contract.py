@@ -3,6 +3,8 @@ few of mlx and the standard library outside their documented API), with what it
 expects, the features relying on it and why. A wrapped target is checked against
 its replacement's parameters (``signature_problem``) and has a row only where
 other code calls it too. A row that does not hold switches its features off.
+``rows()`` adds what the package reads on each installed MLA model
+(``model_rows``); tests/test_contract_complete.py checks every read is a row.
 """
 
 import ast
