@@ -6,7 +6,6 @@ its caches; a large weight file is read in part."""
 import json
 import logging
 import os
-import shutil
 
 import mlx.core as mx
 import pytest
