@@ -1,15 +1,19 @@
 """SIGTERM ends a server with the disk tier as it ends one without: in a long
 request, without waiting for the request (or upstream's step) to finish, and
-with the caches already queued for disk committed."""
+with the caches already queued for disk committed. The tier's handler stands
+only in place of the default one, and only while the server runs."""
 
+import argparse
 import json
 import re
 import signal
 import socket
 import sqlite3
+import types
 
 import pytest
 
+from mlx_lm_mla.disk import hooks
 from mlx_lm_mla.disk.folder import INDEX, SUBFOLDER
 from serving import SYSTEM, Server, post_json, save_served_model
 
@@ -96,3 +100,37 @@ def test_sigterm_in_a_long_request_ends_the_server_before_the_request_ends(
     assert "[DONE]" not in streamed
     # The first answer's cache, queued before the signal, is on disk.
     assert max(stored_tokens(folder)) >= first
+
+
+def run_with_tier(folder):
+    """``mlx_lm.server.run`` as the tier wraps it, on a stand-in ``run`` that
+    returns at once; returns the SIGTERM handler set while it ran."""
+    seen = []
+    provider = types.SimpleNamespace(
+        cli_args=argparse.Namespace(prompt_cache_dir=str(folder), model=None),
+        is_distributed=False,
+    )
+    hooks.with_tier(lambda *args: seen.append(signal.getsignal(signal.SIGTERM)))(
+        "127.0.0.1", 0, provider
+    )
+    return seen[0]
+
+
+def test_the_tier_sets_its_sigterm_handler_only_in_place_of_the_default_and_puts_it_back(
+    tmp_path,
+):
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert run_with_tier(tmp_path) not in (signal.SIG_DFL, None)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_sigterm_handler_the_tier_did_not_set_is_left_alone(tmp_path):
+    def theirs(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, theirs)
+    try:
+        assert run_with_tier(tmp_path) is theirs
+        assert signal.getsignal(signal.SIGTERM) is theirs
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
