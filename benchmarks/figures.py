@@ -296,8 +296,44 @@ def disk_lookup(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def disk_fingerprint(data, table=None):
+    """The model digest's cost by model size, sparse and real files."""
+    header = ["files", "GiB", "shards", "MiB read", "cold ms", "warm ms"]
+    rows = [
+        (
+            r["files"],
+            f"{r['gib']:g}",
+            r["shards"],
+            f"{r['read_mib']:.1f}",
+            "-" if r["cold_ms"] is None else f"{r['cold_ms']:.0f}",
+            f"{r['warm_ms']:.0f}",
+        )
+        for r in data["rows"]
+    ]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def disk_sigterm(data, table=None):
+    """Seconds from SIGTERM to the end of a server in a long prefill."""
+    header = ["server", "path", "exit s (median)", "largest", "prefilled, most", "done"]
+    rows = [
+        (
+            r["variant"],
+            r["path"],
+            f"{r['median_s']:.2f}",
+            f"{r['max_s']:.2f}",
+            f"{r['processed_at_end_max']:,} / {r['prompt_tokens']:,}",
+            r["finished"],
+        )
+        for r in data["rows"]
+    ]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
 RENDER = {
+    "disk_fingerprint": disk_fingerprint,
     "disk_lookup": disk_lookup,
+    "disk_sigterm": disk_sigterm,
     "disk_ttft": disk_ttft,
     "bytes_per_token": bytes_per_token,
     "decode_speed": decode_speed,

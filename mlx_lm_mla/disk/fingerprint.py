@@ -10,10 +10,16 @@ from pathlib import Path
 # The format of the tier's folder, files and index; a change refuses old ones.
 FORMAT = "mlx-lm-mla-disk-2"
 
+# How a model is known; a change makes every stored cache another model's.
+MODEL_FORM = "model-2"
+
 # Files read whole (config, tokenizer, chat template); other files (the
-# weights) are known by name, size and modification time.
+# weights) are known by their size, safetensors header and sampled bytes.
 _READ = (".json", ".jinja", ".model", ".txt", ".tiktoken", ".py")
 _READ_LIMIT = 64 << 20
+_ENDS = 1 << 20  # the first and last MiB of a weight file
+_BETWEEN, _PIECE = 8, 64 << 10  # and 8 pieces of 64 KiB evenly between
+_HEADER_LIMIT = 100 << 20  # safetensors' own limit on its header
 
 
 def local_path(path):
@@ -30,22 +36,63 @@ def local_path(path):
         return None
 
 
+def _header(fd, size):
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes and
+    offsets), after its 8-byte little-endian length; None if it is not one."""
+    if size < 8:
+        return None
+    length = int.from_bytes(os.pread(fd, 8, 0), "little")
+    if length > min(size - 8, _HEADER_LIMIT):
+        return None
+    header = os.pread(fd, length, 8)
+    return header if header[:1] == b"{" else None
+
+
+def _pieces(size):
+    """(offset, length) of the bytes sampled from a file of ``size`` bytes."""
+    if size <= 2 * _ENDS + _BETWEEN * _PIECE:
+        return [(0, size)]
+    step = (size - _PIECE) // (_BETWEEN + 1)
+    middle = [(step * i, _PIECE) for i in range(1, _BETWEEN + 1)]
+    return [(0, _ENDS), *middle, (size - _ENDS, _ENDS)]
+
+
+def _sampled(path, size, digest):
+    """A weight file by content, read in part: its safetensors header whole and
+    the bytes of ``_pieces``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = _header(fd, size)
+        digest.update(b"header" + hashlib.sha256(header or b"").digest())
+        for offset, length in _pieces(size):
+            digest.update(f"\0{offset}:".encode())
+            end = offset + length
+            while offset < end:  # pread may return less than asked
+                chunk = os.pread(fd, min(end - offset, _ENDS), offset)
+                if not chunk:
+                    raise OSError(f"{path} ended before its size")
+                digest.update(chunk)
+                offset += len(chunk)
+    finally:
+        os.close(fd)
+
+
 def _folder_digest(folder, digest):
     digest.update(str(folder).encode())
     for item in sorted(folder.iterdir()):
         if not item.is_file():
             continue
-        stat = item.stat()
-        digest.update(f"\0{item.name}\0{stat.st_size}".encode())
-        if item.suffix in _READ and stat.st_size <= _READ_LIMIT:
+        size = item.stat().st_size
+        digest.update(f"\0{item.name}\0{size}\0".encode())
+        if item.suffix in _READ and size <= _READ_LIMIT:
             digest.update(hashlib.sha256(item.read_bytes()).digest())
         else:
-            digest.update(str(stat.st_mtime_ns).encode())
+            _sampled(item, size, digest)
 
 
 def model_digest(model_key):
     """Digest of the server's model key's folders, or None if one is not on disk."""
-    digest = hashlib.sha256(FORMAT.encode())
+    digest = hashlib.sha256(f"{FORMAT}\0{MODEL_FORM}".encode())
     for path in model_key if isinstance(model_key, (tuple, list)) else (model_key,):
         if path is None:
             digest.update(b"\0none")

@@ -181,16 +181,43 @@ def open_tier(cli_args):
 
 
 class _SigtermStop:
-    """Stops the server on SIGTERM as Ctrl-C does (upstream then ends its step, so
-    the caches it inserts are queued); a second SIGTERM ends it at once."""
+    """SIGTERM's handler while the tier is open, in place of the default action.
+    It stops the server as Ctrl-C does (upstream then ends its step, so the
+    cache of an answer just given is queued), but gives that at most ``GRACE``
+    seconds: upstream's step can be a whole prefill. Then the queued writes are
+    committed and the signal goes to the handler it replaced (the process ends
+    as without the tier); a second SIGTERM goes there at once."""
 
-    def __init__(self):
+    GRACE = 0.2
+
+    def __init__(self, tier):
+        self.tier = tier
         self.received = False
+        self._ending = threading.Lock()
+        self.previous = signal.signal(signal.SIGTERM, self)
 
     def __call__(self, signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, self.previous)
         self.received = True
+        timer = threading.Timer(self.GRACE, self.end)  # upstream's step may be long
+        timer.daemon = True
+        timer.start()
         raise KeyboardInterrupt
+
+    def end(self):
+        """Commits the queued writes, then hands SIGTERM on (from either thread:
+        the first to come ends the process)."""
+        with self._ending:
+            self.tier.close()
+            logger.info(
+                "mlx-lm-mla: prompt caches on disk committed; stopping on SIGTERM"
+            )
+            signal.raise_signal(signal.SIGTERM)
+
+    def remove(self):
+        """Puts the replaced handler back, where ours is still the one set."""
+        if signal.getsignal(signal.SIGTERM) is self:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def with_tier(run):
@@ -213,14 +240,12 @@ def with_tier(run):
         if tier is None:
             return run(host, port, model_provider, *args, **kwargs)
         ACTIVE.append(tier)
-        main_thread = threading.current_thread() is threading.main_thread()
         stop = (
-            _SigtermStop()
-            if main_thread and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            _SigtermStop(tier)
+            if threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
             else None
         )
-        if stop:
-            signal.signal(signal.SIGTERM, stop)
         try:
             return run(host, port, model_provider, *args, **kwargs)
         except KeyboardInterrupt:
@@ -228,14 +253,11 @@ def with_tier(run):
                 raise  # Ctrl-C outside upstream's loop: as upstream
         finally:
             if stop:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                stop.remove()
             ACTIVE.remove(tier)
-            tier.close()
             if stop and stop.received:
-                logger.info(
-                    "mlx-lm-mla: prompt caches on disk committed; stopping on SIGTERM"
-                )
-                signal.raise_signal(signal.SIGTERM)
+                stop.end()
+            tier.close()
 
     run_.mlx_lm_mla_original = run
     return run_

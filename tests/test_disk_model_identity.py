@@ -1,0 +1,168 @@
+"""The disk tier knows a model by its files' contents, not their times: weights
+replaced under the same name, size and modification time are another model,
+whose stored caches are not served; a model whose files are only touched keeps
+its caches; a large weight file is read in part."""
+
+import json
+import logging
+import os
+
+import mlx.core as mx
+import pytest
+
+from mlx_lm_mla import tiny
+from mlx_lm_mla.disk import fingerprint
+from mlx_lm_mla.disk.folder import SUBFOLDER, is_cache_name
+from mlx_lm_mla.disk.tier import DiskTier
+from disk_child import prompt, random_cache, settings
+
+PROMPT = prompt(300, 0)
+
+
+def open_tier(tmp_path):
+    return DiskTier(tmp_path / "caches", 1 << 30, settings(), min_tokens=64)
+
+
+def store(tmp_path, key):
+    """Stores one cache for ``key`` and checks it restores; the tier is closed."""
+    tier = open_tier(tmp_path)
+    try:
+        tier.store(key, PROMPT, random_cache(len(PROMPT)))
+        tier.flush()
+        assert tier.restore(key, PROMPT + [5]) is not None
+    finally:
+        tier.close()
+
+
+def restores(tmp_path, key):
+    tier = open_tier(tmp_path)
+    try:
+        found = tier.restore(key, PROMPT + [5])
+        tier.flush()
+        return found is not None
+    finally:
+        tier.close()
+
+
+def cache_files(tmp_path):
+    folder = tmp_path / "caches" / SUBFOLDER
+    return [p for p in folder.iterdir() if is_cache_name(p.name)]
+
+
+def replace_keeping_times(path, data):
+    """Writes ``data`` (of the file's size) over ``path``, its times put back."""
+    before = os.stat(path)
+    assert len(data) == before.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def large_model(folder, size_mib=8):
+    """A model folder whose weight file is larger than the bytes sampled from
+    it: two tensors of the same shape, then one that fills the rest."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "glm4_moe_lite"}))
+    (folder / "tokenizer.json").write_text("{}")
+    mx.random.seed(0)
+    weights = {
+        "a.weight": mx.random.normal((64, 64)),
+        "b.weight": mx.random.normal((64, 64)),
+        "c.weight": mx.random.normal((size_mib << 18,)),
+    }
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return (str(folder), None, None)
+
+
+def swap_names_in_header(raw):
+    """The file with tensors a and b's names swapped in its header: the same
+    size and data, another model."""
+    end = 8 + int.from_bytes(raw[:8], "little")
+    header = raw[8:end].replace(b'"a.weight"', b'"x.weight"')
+    header = header.replace(b'"b.weight"', b'"a.weight"')
+    header = header.replace(b'"x.weight"', b'"b.weight"')
+    assert header != raw[8:end]
+    return raw[:8] + header + raw[end:]
+
+
+def flip_byte(at):
+    def flip(raw):
+        data = bytearray(raw)
+        data[at(len(raw))] ^= 1
+        return bytes(data)
+
+    return flip
+
+
+def test_weights_replaced_with_their_size_and_times_kept_are_another_models(
+    installed, tmp_path, caplog
+):
+    key = (str(tiny.save_demo_model(tmp_path / "model", seed=0)), None, None)
+    other = tiny.save_demo_model(tmp_path / "other", seed=1)
+    store(tmp_path, key)
+    weights = tmp_path / "model" / "model.safetensors"
+    replace_keeping_times(weights, (other / "model.safetensors").read_bytes())
+    with caplog.at_level(logging.WARNING):
+        assert not restores(tmp_path, key)
+    assert cache_files(tmp_path) == []  # deleted as another model's
+    assert any("were others" in r.getMessage() for r in caplog.records)
+
+
+CHANGES = {
+    "two tensors' names swapped in the header": swap_names_in_header,
+    "a byte of the first MiB": flip_byte(lambda n: 4096),
+    "a byte of the last MiB": flip_byte(lambda n: n - 1),
+    "a byte in the middle": flip_byte(lambda n: fingerprint._pieces(n)[4][0] + 7),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_large_weight_file_changed_in_its_sampled_bytes_is_another_model(
+    change, installed, tmp_path
+):
+    key = large_model(tmp_path / "model")
+    store(tmp_path, key)
+    weights = tmp_path / "model" / "model.safetensors"
+    replace_keeping_times(weights, CHANGES[change](weights.read_bytes()))
+    assert not restores(tmp_path, key)
+
+
+def test_a_model_whose_files_are_only_touched_keeps_its_caches(installed, tmp_path):
+    key = large_model(tmp_path / "model")
+    store(tmp_path, key)
+    for path in (tmp_path / "model").iterdir():
+        os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 10**9))
+    assert restores(tmp_path, key)
+
+
+def test_a_cache_stored_under_an_older_form_of_the_fingerprint_is_not_served(
+    installed, tmp_path, monkeypatch
+):
+    key = large_model(tmp_path / "model")
+    with monkeypatch.context() as m:
+        m.setattr(fingerprint, "MODEL_FORM", "model-1")
+        store(tmp_path, key)
+    assert not restores(tmp_path, key)
+    assert cache_files(tmp_path) == []
+
+
+def test_a_large_weight_file_is_read_in_part(tmp_path, monkeypatch):
+    """A 4 GiB weight file (sparse): its header and about 2.5 MiB are read."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    size = 4 << 30
+    header = json.dumps(
+        {"w": {"dtype": "U8", "shape": [size - 64], "data_offsets": [0, size - 64]}}
+    ).encode()
+    header += b" " * (56 - len(header))  # the data starts at byte 64
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(size)
+    read = []
+    pread = os.pread
+    monkeypatch.setattr(
+        os, "pread", lambda fd, n, at: read.append(n) or pread(fd, n, at)
+    )
+    assert fingerprint.model_digest((str(folder), None, None)) is not None
+    assert 2 << 20 < sum(read) < 3 << 20
