@@ -8,7 +8,7 @@ import os
 import sys
 
 from . import cancellation, sampling
-from .state import REQUESTS
+from . import state as served
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +121,10 @@ def checked_tokenize(original, server):
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
-        state = REQUESTS.get(request)
+        requests = served.of(self.model_provider).requests
+        state = requests.get(request)
         if state is not None:  # the sampler and processors find it by args
-            REQUESTS.bind(args, state)
+            requests.bind(args, state)
         if not result[0]:
             raise BadRequest("prompt has no tokens")
         limit, why = max_tokens_limit(self, len(result[0]))
@@ -192,7 +193,8 @@ def guarded_completion(original):
             problem = f"{where} must be a finite number, not NaN or infinity"
         if problem:
             return _reply(self, 400, problem)
-        state = REQUESTS.open(request)
+        requests = served.of(self.response_generator.model_provider).requests
+        state = requests.open(request)
         body = self.body
         state.cache_prompt = not (
             isinstance(body, dict) and body.get("cache_prompt", True) is False
@@ -218,7 +220,7 @@ def guarded_completion(original):
             except OSError:
                 pass  # the client is gone
         finally:
-            REQUESTS.close(request)
+            requests.close(request)
 
     handle_completion.mlx_lm_mla_original = original
     return handle_completion

@@ -4,7 +4,7 @@ out or stored."""
 import logging
 
 from ..mla import leaves
-from .state import REQUESTS
+from . import state as served
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def no_store_tokenize(original):
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
-        state = REQUESTS.get(request)
+        state = served.of(self.model_provider).requests.get(request)
         if state is None or state.cache_prompt:
             return result
         return (NoStore(result[0]), result[1], [], *result[3:])
