@@ -23,6 +23,7 @@ class RequestState:
     client_gone: Optional[str] = None  # which request, once its client left
     tokens: int = 0  # generated so far
     failure: Optional[BaseException] = None  # its own sampling's, in a batch
+    refused: Optional[str] = None  # why it was refused as the client's (a 400)
     # Built when the request was checked, handed to its batch row once.
     sampler: Any = None
     processors: Any = None
