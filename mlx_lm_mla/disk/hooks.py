@@ -130,6 +130,8 @@ class ServerParser(argparse.ArgumentParser):
 
 def server_argparse(original):
     """``mlx_lm.server``'s ``argparse``, whose ``ArgumentParser`` is ours."""
+    # main() builds its parser inline from this module global and parses at
+    # once: mlx-lm has no hook to add flags (docs/design.md).
     module = types.ModuleType(original.__name__, original.__doc__)
     module.__dict__.update(vars(original))
     module.ArgumentParser = ServerParser

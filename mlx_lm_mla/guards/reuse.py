@@ -12,7 +12,9 @@ logger = logging.getLogger(__name__)
 class NoStore(list):
     """The tokens of a ``"cache_prompt": false`` request, which neither reuses nor
     stores a cache: the policy travels with the tokens the server hands to
-    ``fetch_nearest_cache`` and ``insert_cache``, and survives slicing."""
+    ``fetch_nearest_cache`` and ``insert_cache``, and survives slicing. Those
+    two receive only the model key and the tokens (a batch row's cache is
+    inserted after its reply ended): no other carrier (docs/design.md)."""
 
     def __getitem__(self, index):
         found = super().__getitem__(index)
