@@ -62,9 +62,13 @@ class Serving:
         try:
             self.lru = self.server.LRUPromptCache(provider.cli_args.prompt_cache_size)
             self.generator = self.server.ResponseGenerator(provider, self.lru)
-            self.httpd = ThreadingHTTPServer(
-                (host, port), lambda *a: self.server.APIHandler(self.generator, *a)
-            )
+            try:
+                self.httpd = ThreadingHTTPServer(
+                    (host, port), lambda *a: self.server.APIHandler(self.generator, *a)
+                )
+            except BaseException:
+                self.generator.stop_and_join()  # its loop runs from the start
+                raise
             self.port = self.httpd.server_address[1]
         except BaseException as e:
             self.failure = e
