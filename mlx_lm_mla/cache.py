@@ -244,14 +244,14 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
             if other.offset.size == 0:
                 return
             packed = copy.copy(self)
-            _become(self, _decoded(self, BatchKVCache))
+            self.keys, self.values = _decoded_rows(self)
+            _drop_format(self)
             return _mixed(self, packed, True).extend(other)
         _same_format([self, other], "extend")
         super().extend(other)
 
     def extract(self, idx):
-        cache = super().extract(int(idx))
-        cache.__class__ = QuantizedLatentCache
+        cache = _built(QuantizedLatentCache, super().extract(int(idx)))
         cache._set_format(*self._format)
         return cache
 
@@ -271,7 +271,8 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
         ]
         fmt = _same_format(caches, "merge")
         batch = super().merge(caches)
-        batch.__class__ = cls  # also when every cache was empty
+        if type(batch) is not cls:  # stock makes its own class when all are empty
+            batch = _built(cls, batch)
         batch._set_format(*fmt)
         return batch
 
@@ -320,22 +321,50 @@ def _packed(cache):
     return cache.packed if isinstance(cache, BatchMixedLatentCache) else cache
 
 
+def _retype(cache, cls):
+    """``cache`` becomes a ``cls`` in place: the package's one class change of a
+    live cache. Callers keep the object: LM Studio's engine quantizes a copy of
+    the cache list, and stock's batch ``extend`` and ``filter`` change the cache
+    they are called on, so the object itself must become the new kind."""
+    cache.__class__ = cls
+    return cache
+
+
+def _built(cls, cache):
+    """A new ``cls`` with the fields of ``cache``, a cache stock just made as its
+    own class (as ``copy.copy`` makes an object, of another class)."""
+    made = cls.__new__(cls)
+    vars(made).update(vars(cache))
+    return made
+
+
+_FORMAT = ("_format", "group_size", "latent_bits", "_fetched")
+
+
+def _drop_format(cache):
+    for name in _FORMAT:
+        vars(cache).pop(name, None)
+
+
+def _decoded_rows(cache):
+    # (keys, values) as a quantized cache's rows read them: the latent decoded.
+    if cache.keys is None:
+        return cache.keys, cache.values
+    return cache._decode(cache.keys, cache.values)
+
+
 def _decoded(cache, cls):
-    """A ``cls`` holding what a quantized cache's rows read, the latent decoded."""
-    plain = copy.copy(cache)
-    for name in ("_format", "group_size", "latent_bits", "_fetched"):
-        vars(plain).pop(name, None)
-    plain.__class__ = cls
-    if cache.keys is not None:
-        plain.keys, plain.values = cache._decode(cache.keys, cache.values)
+    """A new ``cls`` holding what a quantized cache's rows read."""
+    plain = _built(cls, cache)
+    _drop_format(plain)
+    plain.keys, plain.values = _decoded_rows(cache)
     return plain
 
 
 def _plain(mixed):
-    # A mixed batch's latent as its rows read it, as a plain batch.
-    plain = copy.copy(mixed)
+    # A mixed batch's latent as its rows read it, as a new plain batch.
+    plain = _built(BatchKVCache, mixed)
     del plain.packed, plain.quantized
-    plain.__class__ = BatchKVCache
     return plain
 
 
@@ -343,16 +372,9 @@ def _mixed(batch, packed, quantized):
     """Turns ``batch`` (the latent as its rows read it) into a
     ``BatchMixedLatentCache`` in place, beside ``packed``, the same rows' bytes;
     ``quantized`` flags every row alike."""
-    batch.__class__ = BatchMixedLatentCache
+    _retype(batch, BatchMixedLatentCache)
     batch.packed, batch.quantized = packed, _flags([quantized] * batch.offset.size)
     return batch
-
-
-def _become(cache, other):
-    # ``cache``, which callers hold, turned into ``other`` in place.
-    cache.__dict__.clear()
-    cache.__dict__.update(vars(other))
-    cache.__class__ = type(other)
 
 
 def _flags(values):
@@ -406,14 +428,17 @@ class BatchMixedLatentCache(BatchKVCache):
     def _settle(self):
         """Becomes ``packed`` if every row is quantized, plain if none; True if so."""
         flags = self.quantized.tolist()
-        if flags and all(flags):
-            _become(self, self.packed)
-            return True
-        if not any(flags):
-            del self.packed, self.quantized
-            self.__class__ = BatchKVCache
-            return True
-        return False
+        every, none = bool(flags) and all(flags), not any(flags)
+        if not (every or none):
+            return False
+        packed = self.packed
+        del self.packed, self.quantized
+        if every:  # its rows are packed's: it takes packed's fields
+            vars(self).update(vars(packed))
+            _retype(self, type(packed))
+        else:
+            _retype(self, BatchKVCache)
+        return True
 
     def prepare(self, **kwargs):
         super().prepare(**kwargs)
@@ -467,8 +492,7 @@ class BatchMixedLatentCache(BatchKVCache):
         plain = [
             _decoded(c, KVCache) if isinstance(c, _PackedLatent) else c for c in caches
         ]
-        batch = BatchKVCache.merge(plain)
-        batch.__class__ = cls
+        batch = _built(cls, BatchKVCache.merge(plain))
         batch.packed = packed
         batch.quantized = _flags([isinstance(c, _PackedLatent) for c in caches])
         return batch
@@ -506,7 +530,7 @@ def quantize_latent(cache, group_size: int = 64, bits: int = 4, like=None):
     if target is None:
         raise TypeError(f"quantize_latent: cannot quantize a {type(cache).__name__}")
     if like is not None and cache.keys is None:
-        cache.__class__ = target
+        _retype(cache, target)
         cache._set_format(*like._format)
         return cache
     keys, values = cache.keys, cache.values
@@ -516,7 +540,7 @@ def quantize_latent(cache, group_size: int = 64, bits: int = 4, like=None):
             f"groups of {group_size}: keys {getattr(keys, 'shape', None)}, values "
             f"{getattr(values, 'shape', None)} (expected one head)"
         )
-    cache.__class__ = target
+    _retype(cache, target)
     d, rd = (str(x.dtype).rsplit(".", 1)[-1] for x in (keys, values))
     cache._set_format(group_size, bits, keys.shape[-1], d, values.shape[-1], rd)
     cache.keys, cache.values = cache._encode(keys, values)

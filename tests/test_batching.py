@@ -132,13 +132,13 @@ def serving_kv_bits(bits=4, start=12):
     with under --kv-bits, and the server's patches, which quantize them."""
     import mlx_lm.server  # noqa: F401 (its patches are applied with it)
 
-    from mlx_lm_mla.patches.generate import SERVER_KV, KVSettings
+    from types import SimpleNamespace
 
-    token = SERVER_KV.set(KVSettings(group_size=64, bits=bits, start=start))
-    try:
+    from mlx_lm_mla.guards.state import ServerState, running
+
+    cli_args = SimpleNamespace(kv_bits=bits, kv_group_size=64, quantized_kv_start=start)
+    with running(ServerState(cli_args)):
         yield
-    finally:
-        SERVER_KV.reset(token)
 
 
 def test_kv_bits_keep_mla_models_batchable(installed):

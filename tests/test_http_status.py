@@ -3,10 +3,17 @@ the server's own 500 (guards/requests.py, answered_post)."""
 
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from mlx_lm_mla.guards.requests import BadRequest, answered_post, refused_parameters
+from mlx_lm_mla.guards import state as served
+from mlx_lm_mla.guards.requests import (
+    BadRequest,
+    answered_post,
+    bad_request_status,
+    refused_parameters,
+)
 
 
 class Handler:
@@ -69,3 +76,27 @@ def test_a_refused_model_parameter_becomes_a_bad_request():
 
     with pytest.raises(BadRequest, match="temperature must be"):
         refused_parameters(validate_model_parameters)(Handler())
+
+
+def status_of_a_failed_generate(refused):
+    """The status upstream's handler sets when ``generate()`` failed (404), for
+    a request whose state says it was refused as the client's, or not."""
+    handler = Handler()
+    provider = SimpleNamespace(cli_args=None)
+    handler.response_generator = SimpleNamespace(model_provider=provider)
+    requests = served.of(provider).requests
+    state = requests.open(object())
+    requests.bind(handler, state)
+    state.refused = refused
+    bad_request_status(lambda self, status_code=200: self.send_response(status_code))(
+        handler, 404
+    )
+    return handler.status
+
+
+def test_a_request_refused_in_the_generation_loop_gets_400_not_404():
+    assert status_of_a_failed_generate("prompt has no tokens") == 400
+
+
+def test_any_other_failure_of_generate_keeps_upstreams_404():
+    assert status_of_a_failed_generate(None) == 404

@@ -7,7 +7,7 @@ from mlx_lm.sample_utils import make_sampler
 import pytest
 
 from mlx_lm_mla.guards import sampling
-from mlx_lm_mla.guards.state import REQUESTS, RequestState
+from mlx_lm_mla.guards.state import RequestState, ServerState, running
 
 VOCAB = 64
 
@@ -17,12 +17,19 @@ class Args:
 
 
 @pytest.fixture
-def served():
+def server():
+    """A server's state, as its generation thread sees it."""
+    with running(ServerState(cli_args=None)) as server:
+        yield server
+
+
+@pytest.fixture
+def served(server):
     """Generation arguments of a request the server is serving, and its state."""
     args = Args()
-    state = REQUESTS.open(args)
+    state = server.requests.open(args)
     yield args, state
-    REQUESTS.close(args)
+    server.requests.close(args)
 
 
 def row():
@@ -55,7 +62,10 @@ def test_a_failing_row_answers_with_a_stand_in_and_keeps_the_random_state():
     expected = draws()
     mx.random.seed(3)
     state = RequestState()
-    token = sampling.RowSampler(make_sampler(0.8, top_k=VOCAB * 10), state)(row())
+    row_sampler = sampling.RowSampler(
+        make_sampler(0.8, top_k=VOCAB * 10), state, ServerState(cli_args=None)
+    )
+    token = row_sampler(row())
     sampler = make_sampler(0.8)
     assert token.item() == 0 and "top_k" in str(state.failure)
     assert [sampler(row()).item() for _ in range(4)] == expected
@@ -148,9 +158,9 @@ def test_a_sampler_made_outside_a_served_request_is_the_builders_own():
     )
 
 
-def test_a_closed_request_leaves_no_state_behind(served):
+def test_a_closed_request_leaves_no_state_behind(server, served):
     args, state = served
     request = Args()
-    REQUESTS.bind(request, state)
-    REQUESTS.close(args)
-    assert REQUESTS.get(args) is None and REQUESTS.get(request) is None
+    server.requests.bind(request, state)
+    server.requests.close(args)
+    assert server.requests.get(args) is None and server.requests.get(request) is None

@@ -9,6 +9,7 @@ import threading
 import types
 from fractions import Fraction
 
+from ..guards import state as served
 from ..guards.reuse import NoStore, cache_problem
 from .folder import SUBFOLDER, NotOurs, open_folder
 from .index import BLOCK
@@ -23,8 +24,6 @@ DIR, BYTES, MIN_TOKENS = (
 )
 DEFAULT_BYTES = 10 << 30
 _LARGEST = (1 << 63) - 1  # SQLite's integers
-
-ACTIVE = []  # the running server's DiskTier
 
 
 def parse_size(text):
@@ -131,6 +130,8 @@ class ServerParser(argparse.ArgumentParser):
 
 def server_argparse(original):
     """``mlx_lm.server``'s ``argparse``, whose ``ArgumentParser`` is ours."""
+    # main() builds its parser inline from this module global and parses at
+    # once: mlx-lm has no hook to add flags (docs/design.md).
     module = types.ModuleType(original.__name__, original.__doc__)
     module.__dict__.update(vars(original))
     module.ArgumentParser = ServerParser
@@ -226,6 +227,8 @@ def with_tier(run):
     (skipping the interpreter's exit, where MLX's threads can abort it)."""
 
     def run_(host, port, model_provider, *args, **kwargs):
+        # --prompt-cache-dir: ModelProvider.cli_args -> open_tier -> the server's
+        # state -> its loop's LRUPromptCache hooks (fetch/insert below).
         cli_args = model_provider.cli_args
         if getattr(cli_args, "prompt_cache_dir", None) is None:
             return run(host, port, model_provider, *args, **kwargs)
@@ -239,7 +242,8 @@ def with_tier(run):
         tier = open_tier(cli_args)
         if tier is None:
             return run(host, port, model_provider, *args, **kwargs)
-        ACTIVE.append(tier)
+        server = served.of(model_provider)
+        server.tier = tier
         stop = (
             _SigtermStop(tier)
             if threading.current_thread() is threading.main_thread()
@@ -254,7 +258,7 @@ def with_tier(run):
         finally:
             if stop:
                 stop.remove()
-            ACTIVE.remove(tier)
+            server.tier = None
             if stop and stop.received:
                 stop.end()
             tier.close()
@@ -263,16 +267,24 @@ def with_tier(run):
     return run_
 
 
+def _tier():
+    # The disk tier of the server whose generation thread this is, or None.
+    server = served.current()
+    return server.tier if server is not None else None
+
+
 def fetch_from_disk(original):
-    """``LRUPromptCache.fetch_nearest_cache``, from disk where it covers more."""
+    """``LRUPromptCache.fetch_nearest_cache``, from disk where it covers more: the
+    tier of the server whose generation loop calls it."""
 
     def fetch_nearest_cache(self, model, tokens):
         cache, rest = original(self, model, tokens)
-        if not ACTIVE or isinstance(tokens, NoStore) or not tokens:
+        tier = _tier()
+        if tier is None or isinstance(tokens, NoStore) or not tokens:
             return cache, rest
         have = len(tokens) - len(rest) if cache is not None else 0
         try:
-            found = ACTIVE[0].restore(model, tokens, have)
+            found = tier.restore(model, tokens, have)
         except Exception as e:  # the disk never fails a request
             logger.warning(
                 "mlx-lm-mla: could not read the prompt caches on disk: %r", e
@@ -289,13 +301,14 @@ def insert_to_disk(original):
 
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         result = original(self, model, tokens, prompt_cache, *args, **kwargs)
+        tier = _tier()
         if (
-            ACTIVE
+            tier is not None
             and not isinstance(tokens, NoStore)
             and cache_problem(prompt_cache, len(tokens)) is None
         ):
             try:
-                ACTIVE[0].store(model, tokens, prompt_cache)
+                tier.store(model, tokens, prompt_cache)
             except Exception as e:
                 logger.warning(
                     "mlx-lm-mla: could not queue a prompt cache for disk: %r", e

@@ -4,10 +4,9 @@ with a clear error, and the loop serves the next ones."""
 import logging
 import sys
 import time
-import weakref
 
 from . import cancellation, sampling
-from .state import REQUESTS, RequestState
+from . import state as served
 
 logger = logging.getLogger(__name__)
 
@@ -19,12 +18,9 @@ TRIES = 4
 BACKOFF = 0.05  # seconds before the second try; doubled each time
 
 
-# The replies of each generation loop's open requests, to answer if it fails.
-_OPEN = weakref.WeakKeyDictionary()
-
-
 def _inflight(generator):
-    return _OPEN.setdefault(generator, set())
+    # The replies the generator's loop owes, to answer if it fails.
+    return served.of(generator.model_provider).open_replies
 
 
 class Replies:
@@ -72,8 +68,10 @@ def tracked_next_request(original):
         request = original(self, timeout)
         if request is None or isinstance(request[0], Replies):
             return request
-        state = REQUESTS.get(request[1]) or RequestState()  # another rank's copy
-        replies = Replies(request[0], state, _inflight(self))
+        server = served.of(self.model_provider)
+        # Another rank's copy of a request is not in this rank's open requests.
+        state = server.requests.get(request[1]) or served.RequestState()
+        replies = Replies(request[0], state, server.open_replies)
         replies.contexts = sys.modules[SERVER].GenerationContext
         replies.open.add(replies)
         return (replies, *request[1:])
@@ -82,8 +80,8 @@ def tracked_next_request(original):
     return _next_request
 
 
-def _restore_after_failure():
-    if sampling.repair_random():
+def _restore_after_failure(server):
+    if sampling.repair_random(server):
         logger.warning("mlx-lm-mla: restored the random state after a failure")
 
 
@@ -100,7 +98,7 @@ def supervised_generate(original):
                 return original(self)
             except Exception as e:
                 logger.exception("mlx-lm-mla: generation failed")
-                _restore_after_failure()
+                _restore_after_failure(served.of(self.model_provider))
                 error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
                 # With requests open the failure is theirs: answer them, go on.
                 streak = 0 if _inflight(self) else streak + 1

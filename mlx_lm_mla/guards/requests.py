@@ -5,10 +5,9 @@ import json
 import logging
 import math
 import os
-import sys
 
 from . import cancellation, sampling
-from .state import REQUESTS
+from . import state as served
 
 logger = logging.getLogger(__name__)
 
@@ -121,38 +120,46 @@ def checked_tokenize(original, server):
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
-        state = REQUESTS.get(request)
+        requests = served.of(self.model_provider).requests
+        state = requests.get(request)
         if state is not None:  # the sampler and processors find it by args
-            REQUESTS.bind(args, state)
-        if not result[0]:
-            raise BadRequest("prompt has no tokens")
-        limit, why = max_tokens_limit(self, len(result[0]))
-        asked = args.max_tokens
-        if isinstance(asked, int) and asked > limit:
-            raise BadRequest(f"max_tokens must be at most {limit}: {why}")
-        bias = args.logits.logit_bias
-        size = _vocabulary(self, tokenizer)
-        if bias and size and max(bias) >= size:
-            raise BadRequest(
-                f"logit_bias token id {max(bias)} is outside the vocabulary "
-                f"(0..{size - 1})"
-            )
-        if size:
-            problem = sampling.sampling_problem(
-                sampling.unguarded(server._make_sampler),
-                sampling.unguarded(server._make_logits_processors),
-                tokenizer,
-                args,
-                size,
-                result[0],
-                state,
-            )
-            if problem:
-                raise BadRequest(problem)
+            requests.bind(args, state)
+        problem = tokens_problem(self, server, tokenizer, args, result[0], state)
+        if problem:
+            if state is not None:  # its handler answers 400, not upstream's 404
+                state.refused = problem
+            raise BadRequest(problem)
         return result
 
     _tokenize.mlx_lm_mla_original = original
     return _tokenize
+
+
+def tokens_problem(generator, server, tokenizer, args, prompt, state):
+    """Why a tokenized request cannot be served, or None."""
+    if not prompt:
+        return "prompt has no tokens"
+    limit, why = max_tokens_limit(generator, len(prompt))
+    asked = args.max_tokens
+    if isinstance(asked, int) and asked > limit:
+        return f"max_tokens must be at most {limit}: {why}"
+    bias = args.logits.logit_bias
+    size = _vocabulary(generator, tokenizer)
+    if bias and size and max(bias) >= size:
+        return (
+            f"logit_bias token id {max(bias)} is outside the vocabulary (0..{size - 1})"
+        )
+    if not size:
+        return None
+    return sampling.sampling_problem(
+        sampling.unguarded(server._make_sampler),
+        sampling.unguarded(server._make_logits_processors),
+        tokenizer,
+        args,
+        size,
+        prompt,
+        state,
+    )
 
 
 def _vocabulary(generator, tokenizer):
@@ -192,7 +199,9 @@ def guarded_completion(original):
             problem = f"{where} must be a finite number, not NaN or infinity"
         if problem:
             return _reply(self, 400, problem)
-        state = REQUESTS.open(request)
+        requests = served.of(self.response_generator.model_provider).requests
+        state = requests.open(request)
+        requests.bind(self, state)  # its header setter finds it by the handler
         body = self.body
         state.cache_prompt = not (
             isinstance(body, dict) and body.get("cache_prompt", True) is False
@@ -218,7 +227,7 @@ def guarded_completion(original):
             except OSError:
                 pass  # the client is gone
         finally:
-            REQUESTS.close(request)
+            requests.close(request)
 
     handle_completion.mlx_lm_mla_original = original
     return handle_completion
@@ -226,11 +235,15 @@ def guarded_completion(original):
 
 def bad_request_status(original):
     """``APIHandler._set_completion_headers``: upstream answers every error
-    of ``generate()`` with 404; a ``BadRequest`` is the client's, so 400."""
+    of ``generate()`` with 404; a request refused as the client's (its state
+    says so, set where it was refused) gets 400."""
 
     def _set_completion_headers(self, status_code=200):
-        if status_code == 404 and isinstance(sys.exc_info()[1], BadRequest):
-            status_code = 400
+        if status_code == 404:
+            server = served.of(self.response_generator.model_provider)
+            state = server.requests.get(self)
+            if state is not None and state.refused is not None:
+                status_code = 400
         return original(self, status_code)
 
     _set_completion_headers.mlx_lm_mla_original = original

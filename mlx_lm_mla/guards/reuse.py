@@ -4,7 +4,7 @@ out or stored."""
 import logging
 
 from ..mla import leaves
-from .state import REQUESTS
+from . import state as served
 
 logger = logging.getLogger(__name__)
 
@@ -12,7 +12,9 @@ logger = logging.getLogger(__name__)
 class NoStore(list):
     """The tokens of a ``"cache_prompt": false`` request, which neither reuses nor
     stores a cache: the policy travels with the tokens the server hands to
-    ``fetch_nearest_cache`` and ``insert_cache``, and survives slicing."""
+    ``fetch_nearest_cache`` and ``insert_cache``, and survives slicing. Those
+    two receive only the model key and the tokens (a batch row's cache is
+    inserted after its reply ended): no other carrier (docs/design.md)."""
 
     def __getitem__(self, index):
         found = super().__getitem__(index)
@@ -27,7 +29,7 @@ def no_store_tokenize(original):
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
-        state = REQUESTS.get(request)
+        state = served.of(self.model_provider).requests.get(request)
         if state is None or state.cache_prompt:
             return result
         return (NoStore(result[0]), result[1], [], *result[3:])

@@ -13,11 +13,7 @@ import time
 
 import mlx.core as mx
 
-from .state import REQUESTS
-
-# The generation thread's last random key seen before a guarded call, so a
-# failure of the whole loop can put back a key that was computed.
-_last_key = [None]
+from . import state as served
 
 
 def random_key():
@@ -35,16 +31,16 @@ def restore_random(key):
     mx.random.seed((high << 32) | low)
 
 
-def repair_random():
-    """After the generation loop failed: puts back the last good key if the random
-    state cannot be computed. True if it had to."""
+def repair_random(server):
+    """After ``server``'s generation loop failed: puts back the last good key it saw
+    if the random state cannot be computed. True if it had to."""
     try:
         mx.eval(random_key())
         return False
     except Exception:
         pass
-    if _last_key[0] is not None:
-        restore_random(_last_key[0])
+    if server.last_key is not None:
+        restore_random(server.last_key)
     else:  # no key was seen: seed from the clock, as mlx seeds a new process
         mx.random.seed(time.time_ns() // 1_000_000)
     return True
@@ -151,17 +147,19 @@ def sampling_problem(
 
 class RowSampler:
     """A request's sampler in a batch: on failure the row gets a stand-in token
-    (its request ends at the next reply) and the random state is put back."""
+    (its request ends at the next reply) and the random state is put back. The
+    key before each call is its server's last good one."""
 
-    def __init__(self, sampler, state):
+    def __init__(self, sampler, state, server):
         self.sampler = sampler
         self.state = state
+        self.server = server
 
     def run(self, logprobs):
         return self.sampler(logprobs)
 
     def __call__(self, logprobs):
-        key = _last_key[0] = random_key()
+        key = self.server.last_key = random_key()
         try:
             return self.run(logprobs)
         except Exception as e:
@@ -205,11 +203,12 @@ def guarded_make_sampler(original):
     sampler (greedy) is left as it is: the batch samples all rows in one call."""
 
     def _make_sampler(args, tokenizer):
-        state = REQUESTS.get(args)
+        server = served.current()
+        state = server.requests.get(args) if server is not None else None
         if state is None:
             return original(args, tokenizer)
         sampler = state.take("sampler") or original(args, tokenizer)
-        return sampler if _shared(sampler) else RowSampler(sampler, state)
+        return sampler if _shared(sampler) else RowSampler(sampler, state, server)
 
     _make_sampler.mlx_lm_mla_original = original
     return _make_sampler
@@ -219,7 +218,8 @@ def guarded_make_logits_processors(original):
     """``mlx_lm.server._make_logits_processors`` whose processors run guarded."""
 
     def _make_logits_processors(args):
-        state = REQUESTS.get(args)
+        server = served.current()
+        state = server.requests.get(args) if server is not None else None
         if state is None:
             return original(args)
         processors = state.take("processors")

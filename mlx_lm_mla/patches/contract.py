@@ -19,6 +19,7 @@ from packaging.version import Version
 
 from ..mla import definition, find_attention, model_types, self_fields
 from .table import (
+    BAD_REQUESTS,
     CACHE_CHECKS,
     DISK,
     EVERYTHING,
@@ -276,6 +277,26 @@ NAMES = (
         ("GenerationBatch.prompt_cache", Field(), "its caches quantize"),
     ),
     # --- the server (mlx_lm.server) ------------------------------------------
+    # One server's state hangs on its ModelProvider (guards/state.py).
+    *_rows(
+        SERVER,
+        (REQUEST_CHECKS, BAD_REQUESTS, REUSE, RECOVERY, SAMPLING, DISK, KV_BATCHING),
+        (
+            "ModelProvider.cli_args",
+            Field(),
+            "a server's flags; its state is made there",
+        ),
+        (
+            "ResponseGenerator.model_provider",
+            Field(),
+            "the model being served; the generator's way to its server's state",
+        ),
+        (
+            "APIHandler.response_generator",
+            Field(),
+            "a handler's way to its server's state",
+        ),
+    ),
     *_rows(
         SERVER,
         (KV_BATCHING,),
@@ -285,7 +306,6 @@ NAMES = (
     *_rows(
         SERVER,
         (KV_BATCHING, REQUEST_CHECKS),
-        ("ResponseGenerator.model_provider", Field(), "the model being served"),
         ("ModelProvider.model", Field(), "its vocabulary, context and attention"),
         ("GenerationArguments.seed", Field(), "a seeded request runs alone"),
     ),
@@ -353,7 +373,6 @@ NAMES = (
     *_rows(
         SERVER,
         (DISK,),
-        ("ModelProvider.cli_args", Field(), "the tier's flags"),
         ("ModelProvider.is_distributed", Field(), "no tier for a distributed one"),
         ("main", Holds("--model"), "read as cli_args.model"),
         ("main", Holds("--adapter-path"), "read as cli_args.adapter_path"),

@@ -2,11 +2,11 @@
 ``kv_bits`` before the first step, and ``BatchGenerator`` quantizes an MLA
 model's batches under ``--kv-bits`` (applied with the server's patches)."""
 
-import contextvars
 import inspect
 from dataclasses import dataclass
 
 from ..cache import _PackedLatent
+from ..guards import state as served
 from ..mla import (
     ATTENTION,
     found_once,
@@ -37,10 +37,6 @@ class KVSettings:
         )
 
 
-# The settings of the server whose generation loop runs in this thread: set
-# around ResponseGenerator._generate (server.py), read by BatchGenerator._next.
-SERVER_KV = contextvars.ContextVar("mlx_lm_mla_server_kv", default=None)
-
 GENERATE = "mlx_lm.generate"
 
 
@@ -51,12 +47,13 @@ def table():
 
 
 def quantizing_next(original):
-    """``BatchGenerator._next`` that quantizes an MLA model's batches under
-    ``--kv-bits``."""
+    """``BatchGenerator._next`` that quantizes an MLA model's batches under the
+    ``--kv-bits`` of the server whose generation thread runs it."""
 
     def _next(self):
         result = original(self)
-        settings = SERVER_KV.get()
+        server = served.current()
+        settings = KVSettings.of(server.cli_args) if server is not None else None
         if settings is not None and has_latent_attention(self.model):
             for batch in (self._prompt_batch, self._generation_batch):
                 quantize.quantize_batches(

@@ -5,8 +5,9 @@ import sys
 
 from ..disk import hooks as disk
 from ..guards import recovery, requests, reuse, sampling
+from ..guards.state import serving
 from ..mla import has_latent_attention
-from .generate import GENERATE, SERVER_KV, KVSettings, quantizing_next
+from .generate import GENERATE, KVSettings, quantizing_next
 from .table import (
     BAD_REQUESTS,
     DISK,
@@ -67,17 +68,14 @@ def table():
             batchable_with_kv_bits,
             KV_BATCHING,
         ),
-        Patch(
-            SERVER,
-            f"{generator}._generate",
-            "wrap",
-            generate_with_kv_settings,
-            KV_BATCHING,
-        ),
+        # BatchGenerator._next finds the server's --kv-bits from its loop.
+        Patch(SERVER, f"{generator}._generate", "wrap", serving, KV_BATCHING),
         Patch(GENERATE, "BatchGenerator._next", "wrap", quantizing_next, KV_BATCHING),
         Patch(CACHE, fetch, "wrap", reuse.guarded_fetch, REUSE),
         Patch(CACHE, insert, "wrap", reuse.guarded_insert, REUSE),
-        # The disk tier, behind RAM: it sees what the guards let through.
+        # The disk tier, behind RAM: it sees what the guards let through. The
+        # LRUPromptCache finds its server's tier from the server's loop.
+        Patch(SERVER, f"{generator}._generate", "wrap", serving, DISK),
         Patch(CACHE, fetch, "wrap", disk.fetch_from_disk, DISK),
         Patch(CACHE, insert, "wrap", disk.insert_to_disk, DISK),
         Patch(SERVER, "run", "wrap", disk.with_tier, DISK),
@@ -97,6 +95,8 @@ def table():
             recovery.supervised_generate,
             RECOVERY,
         ),
+        # The samplers find their request's state in the server of their loop.
+        Patch(SERVER, f"{generator}._generate", "wrap", serving, SAMPLING),
         Patch(SERVER, "_make_sampler", "wrap", sampling.guarded_make_sampler, SAMPLING),
         Patch(
             SERVER,
@@ -126,18 +126,3 @@ def batchable_with_kv_bits(original):
 
     _is_batchable.mlx_lm_mla_original = original
     return _is_batchable
-
-
-def generate_with_kv_settings(original):
-    """``ResponseGenerator._generate`` with the server's ``--kv-bits`` settings in
-    ``SERVER_KV`` for its BatchGenerators."""
-
-    def _generate(self):
-        token = SERVER_KV.set(KVSettings.of(self.cli_args))
-        try:
-            return original(self)
-        finally:
-            SERVER_KV.reset(token)
-
-    _generate.mlx_lm_mla_original = original
-    return _generate

@@ -1,0 +1,146 @@
+"""Two servers in one process keep their own state: each its disk tier, its
+``--kv-bits`` and its open requests (mlx_lm_mla/guards/state.py)."""
+
+import argparse
+import sqlite3
+import sys
+import threading
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from mlx_lm_mla.disk import hooks
+from mlx_lm_mla.disk.folder import INDEX, SUBFOLDER
+from mlx_lm_mla.guards import state as served
+from serving import SYSTEM, post_json, save_served_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
+
+
+def command_line(monkeypatch, *argv):
+    """The arguments ``mlx_lm.server.main`` parses from ``argv``, the tier's flags
+    among them."""
+    import mlx_lm.server as server
+
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(
+            server, "ModelProvider", lambda args: argparse.Namespace(cli_args=args)
+        )
+        m.setattr(server, "run", lambda host, port, provider: seen.append(provider))
+        m.setattr(sys, "argv", ["mlx_lm.server", *map(str, argv)])
+        server.main()
+    return seen[0].cli_args
+
+
+class Serving:
+    """One server as ``mlx_lm.server.run`` builds it (its ``LRUPromptCache``,
+    ``ResponseGenerator`` and HTTP server), run in a thread through the package's
+    wrapper of ``run``, which opens its disk tier; ``stop()`` ends it as Ctrl-C
+    does, which commits the tier."""
+
+    def __init__(self, cli_args):
+        import mlx_lm.server as server
+
+        self.server = server
+        self.provider = server.ModelProvider(cli_args)
+        self.ready = threading.Event()
+        self.failure = None
+        self.thread = threading.Thread(
+            target=hooks.with_tier(self._run), args=("127.0.0.1", 0, self.provider)
+        )
+        self.thread.start()
+        while not self.ready.wait(0.5):
+            assert self.thread.is_alive(), "the server's thread ended before serving"
+        assert self.failure is None, self.failure
+
+    def _run(self, host, port, provider):
+        try:
+            self.lru = self.server.LRUPromptCache(provider.cli_args.prompt_cache_size)
+            self.generator = self.server.ResponseGenerator(provider, self.lru)
+            try:
+                self.httpd = ThreadingHTTPServer(
+                    (host, port), lambda *a: self.server.APIHandler(self.generator, *a)
+                )
+            except BaseException:
+                self.generator.stop_and_join()  # its loop runs from the start
+                raise
+            self.port = self.httpd.server_address[1]
+        except BaseException as e:
+            self.failure = e
+            raise
+        finally:
+            self.ready.set()
+        try:
+            self.httpd.serve_forever()
+        finally:
+            self.httpd.server_close()
+            self.generator.stop_and_join()
+
+    def chat(self, text):
+        body = {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": text},
+            ],
+            "max_tokens": 6,
+            "temperature": 0.0,
+        }
+        status, reply = post_json(self.port, "/v1/chat/completions", body)
+        assert status == 200, reply
+        return reply
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.thread.join()
+
+
+def stored_rows(directory):
+    db = sqlite3.connect(
+        f"file:{Path(directory) / SUBFOLDER / INDEX}?mode=ro", uri=True
+    )
+    try:
+        return db.execute("SELECT name, n_tokens FROM entries").fetchall()
+    finally:
+        db.close()
+
+
+def test_two_servers_in_one_process_keep_their_own_tier_kv_bits_and_requests(
+    installed, model_path, tmp_path, monkeypatch
+):
+    disk = ["--prompt-cache-dir-min-tokens", 64, "--prompt-cache-size", 4]
+    a_args = command_line(
+        monkeypatch, "--model", model_path, "--prompt-cache-dir", tmp_path / "a", *disk
+    )
+    b_args = command_line(
+        monkeypatch, "--model", model_path, "--prompt-cache-dir", tmp_path / "b", *disk
+    )
+    kv_bits = hasattr(a_args, "kv_bits")  # mlx-lm 0.31's server has none
+    if kv_bits:
+        a_args.kv_bits, a_args.quantized_kv_start = 4, 0
+    a = Serving(a_args)
+    try:
+        b = Serving(b_args)
+        try:
+            # Both are up, each with its own state and tier.
+            sa, sb = served.of(a.provider), served.of(b.provider)
+            assert sa is not sb and sa.tier is not None and sb.tier is not None
+            assert sa.tier.folder != sb.tier.folder
+            a.chat("Which file holds the parser?")
+            b.chat("Which file holds the parser?")
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+    for s in (sa, sb):  # closed: nothing left open, the tier handed back
+        assert len(s.requests) == 0 and not s.open_replies and s.tier is None
+    # Each server wrote its conversation to its own folder, and only there.
+    a_rows, b_rows = stored_rows(tmp_path / "a"), stored_rows(tmp_path / "b")
+    assert a_rows and b_rows and not {n for n, _ in a_rows} & {n for n, _ in b_rows}
+    assert sorted(t for _, t in a_rows) == sorted(t for _, t in b_rows)
+    if kv_bits:  # only A's loop quantized its caches (4-bit latents): under half
+        assert 2 * a.lru.nbytes < b.lru.nbytes
