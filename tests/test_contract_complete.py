@@ -130,6 +130,7 @@ HOLDS = {
     f"{SERVER}.ResponseGenerator._next_request()[0]": None,  # the reply queue
     f"{SERVER}.ResponseGenerator._next_request()[1]": None,
     f"{SERVER}.ResponseGenerator._stop": None,
+    f"{SERVER}.APIHandler.response_generator": f"{SERVER}.ResponseGenerator",
     f"{SERVER}.ModelProvider.model": "<model>",
     f"{SERVER}.ModelProvider.cli_args": "<cli-args>",
     f"{SERVER}.ModelProvider.is_batchable": None,
