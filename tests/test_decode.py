@@ -190,9 +190,9 @@ def test_a_quantized_decode_step_holds_a_few_chunks_not_the_latent(installed):
 def test_the_source_says_whether_an_attention_calls_a_function_by_name():
     class Calls:
         def __call__(self, q, k, v, cache=None):
-            return scaled_dot_product_attention(
+            return scaled_dot_product_attention(  # noqa: F821
                 q, k, v, cache=cache, scale=1.0, mask=None
-            )  # noqa: F821
+            )
 
     class CallsOther:
         def __call__(self, q, k, v, cache=None):
