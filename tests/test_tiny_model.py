@@ -196,6 +196,21 @@ def test_the_readme_try_it_serves_two_turns_past_quantized_kv_start(readme_run):
 
 
 @pytest.mark.skipif(not KV_BITS, reason="this mlx_lm.server has no --kv-bits")
+def test_the_readme_disk_try_it_writes_the_files_it_says(readme_run):
+    text = README.read_text().split("## Prompt caches on disk", 1)[1]
+    text = " ".join(text.split("\n## ", 1)[0].split())
+    flags = re.search(r"server line, add `([^`]+)`", text).group(1)
+    stats, files = re.search(
+        r"`(mlx-lm-mla cache-dir stats \S+)` lists their (\d+)", text
+    ).groups()
+    replies, _ = readme_run(flags=" " + flags)
+    assert replies.returncode == 0, replies.stderr
+    out = shell(stats, readme_run.folder, readme_run.env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f": {files} cache files," in out.stdout
+
+
+@pytest.mark.skipif(not KV_BITS, reason="this mlx_lm.server has no --kv-bits")
 def test_the_readme_try_it_without_the_fix_fails_as_it_says(readme_run):
     replies, log = readme_run("MLX_LM_MLA_DISABLE=1 ")
     assert "MLX_LM_MLA_DISABLE=1 mlx_lm.server" in readme_run.section
