@@ -7,7 +7,6 @@ import warnings
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import mlx_lm_mla
@@ -15,21 +14,14 @@ from mlx_lm_mla import decode, decode_cuda, mla, patches
 from mlx_lm_mla.cache import _PackedLatent
 from mlx_lm_mla import tiny
 
+from conftest import step_logits
+
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(150)]
 PREFILL = 70
 
 
-def decode_logits(model, bits=None, dtype_cache=None):
-    """Logits of one decode step per token after a prefill, quantizing the
-    cache after the prefill when ``bits`` is given."""
-    cache = make_prompt_cache(model)
-    model(mx.array([TOKENS[:PREFILL]]), cache=cache)
-    if bits:
-        maybe_quantize_kv_cache(
-            cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
-        )
-    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[PREFILL:]]
-    return mx.concatenate(steps, axis=1)
+def decode_logits(model, bits=None):
+    return step_logits(model, TOKENS, PREFILL, bits)
 
 
 def stock_logits(model, **kwargs):

@@ -21,6 +21,7 @@ from mlx_lm_mla.__main__ import main as mlx_lm_mla_main
 from mlx_lm_mla.disk import hooks
 from mlx_lm_mla.disk.folder import INDEX, MARKER, SUBFOLDER, is_cache_name, temp_owner
 from mlx_lm_mla.disk.tier import DiskTier
+from conftest import swap_layers_in_header
 from serving import (
     SYSTEM,
     Server,
@@ -396,18 +397,7 @@ def truncate(path):
 
 
 def swap_two_layers_in_header(path):
-    """The header of the file with layer 0's and layer 1's keys swapped: valid
-    JSON of the same length, a wrong cache."""
-    raw = path.read_bytes()
-    end = 8 + int.from_bytes(raw[:8], "little")
-    header = (
-        raw[8:end]
-        .replace(b'"0.0":{', b'"x.x":{')
-        .replace(b'"1.0":{', b'"0.0":{')
-        .replace(b'"x.x":{', b'"1.0":{')
-    )
-    assert header != raw[8:end]
-    path.write_bytes(raw[:8] + header + raw[end:])
+    path.write_bytes(swap_layers_in_header(path.read_bytes()))
 
 
 DAMAGES = {
