@@ -141,9 +141,13 @@ class Server:
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
         # Without a log of the caller's, a temporary one: a failed start shows it.
         self.log = open(log, "w+") if log else tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT
-        )
+        try:
+            self.proc = subprocess.Popen(
+                cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT
+            )
+        except BaseException:
+            self.log.close()
+            raise
         try:
             wait_until_up(self.proc, self.port, self.log, stall, bound)
         except BaseException:
