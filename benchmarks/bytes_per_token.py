@@ -208,7 +208,7 @@ def batch_rows(shape, lengths, args, dtype):
             return out
 
         caches = singles()
-        batch, nb, held = measure(lambda: _merged(caches))
+        batch, nb, held = measure(lambda c=caches: _merged(c))
         del caches
         gc.collect()
         stages = [("merged", real, nb, held)]

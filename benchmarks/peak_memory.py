@@ -185,7 +185,10 @@ def main():
             if r["error"] or not r["bits"]
             else r["decode_transient"] <= r["allowed"]
         )
-    mb = lambda x: None if x is None else x / 2**20
+
+    def mb(x):
+        return None if x is None else x / 2**20
+
     print(
         f"\nPeak memory beyond the weights: {args.context:,}-token prompt in {PREFILL_STEP:,}-token "
         f"chunks, then {args.steps} decode steps; {args.layers} layers, quantized_kv_start "

@@ -52,7 +52,7 @@ def main():
         "hook_off_ms": statistics.median(off) * 1e3,
         "hook_imports_self_ms": hook_us / 1e3,
         "mlx_imported_at_startup": any(
-            " mlx.core" in l or "| mlx\n" in l for l in trace
+            " mlx.core" in line or "| mlx\n" in line for line in trace
         ),
     }
     result["difference_ms"] = result["hook_on_ms"] - result["hook_off_ms"]

@@ -1,5 +1,6 @@
 """The command line, ``mlx-lm-mla COMMAND`` or ``python -m mlx_lm_mla COMMAND``."""
 
+import importlib
 import sys
 
 COMMANDS = {
@@ -33,10 +34,16 @@ def main(argv=None):
         print(usage())
         return 0
     if not argv or argv[0] not in COMMANDS:
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
         print(usage(), file=sys.stderr)
+        print(f"mlx-lm-mla: error: {problem}", file=sys.stderr)
         return 2
-    module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
-    return module.main(argv[1:])
+    name, args = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    # argparse names a parser that names no prog (serve's: mlx_lm.server's)
+    # after sys.argv[0]: every command's usage line says "mlx-lm-mla NAME".
+    sys.argv = [f"mlx-lm-mla {name}", *args]
+    return module.main(args)
 
 
 if __name__ == "__main__":

@@ -67,10 +67,8 @@ def latent_attention(queries, latent, scale, mask=None, read=None):
     L = latent.shape[2]
     dtype = compute_dtype(queries.dtype)
     if read is None:
-        read = (
-            lambda a, b, t, after: (  # noqa: E731
-                _after(latent[..., a:b, :], after).astype(t)
-            )
+        read = (  # noqa: E731
+            lambda a, b, t, after: _after(latent[..., a:b, :], after).astype(t)
         )
     # Heads as columns: scores come out (B, 1, positions, H).
     q = (queries * scale).astype(dtype).reshape(B, 1, H, D).swapaxes(-1, -2)

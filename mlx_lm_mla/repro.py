@@ -143,13 +143,32 @@ def _table(stock, fixed):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_lm_mla repro", description=__doc__.split("\n\n")[0]
+        prog="mlx-lm-mla repro", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--requests", type=int, default=12)
-    parser.add_argument("--kv-bits", type=int, default=4)
-    parser.add_argument("--quantized-kv-start", type=int, default=64)
-    parser.add_argument("--stock", action="store_true", help="only stock mlx-lm")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=12,
+        help="requests sharing a prefix, served in turn (default: 12)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=4,
+        help="KV cache bits, as --kv-bits (default: 4)",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=64,
+        help="tokens cached before it is quantized (default: 64)",
+    )
+    parser.add_argument(
+        "--stock", action="store_true", help="run stock mlx-lm only (the fix off)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the results as one JSON line"
+    )
     args = parser.parse_args(argv)
     settings = dict(
         requests=args.requests,

@@ -625,9 +625,15 @@ def main(argv=None):
     )
     parser.add_argument("dir", help="a new or empty folder")
     parser.add_argument(
-        "--model-type", default="glm4_moe_lite", choices=MLA_MODEL_TYPES
+        "--model-type",
+        default="glm4_moe_lite",
+        choices=MLA_MODEL_TYPES,
+        metavar="TYPE",
+        help="its architecture: %(choices)s (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of its random weights (default: 0)"
+    )
     args = parser.parse_args(argv)
     path = Path(args.dir)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):

@@ -1,6 +1,7 @@
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla.activate import disabled
@@ -29,6 +30,34 @@ def filled(cache, L, B=1, seed=0, dtype=mx.float32):
 def latent_kv(L, seed=0, dtype=mx.float32):
     """A stock KVCache holding L tokens in the MLA latent layout."""
     return filled(KVCache(), L, seed=seed, dtype=dtype)[0]
+
+
+def step_logits(model, tokens, prefill, bits=None):
+    """Logits of one decode step per token of ``tokens`` after a prefill of its
+    first ``prefill``, quantizing the cache after the prefill when ``bits`` is
+    given."""
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens[:prefill]]), cache=cache)
+    if bits:
+        maybe_quantize_kv_cache(
+            cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
+        )
+    steps = [model(mx.array([[t]]), cache=cache) for t in tokens[prefill:]]
+    return mx.concatenate(steps, axis=1)
+
+
+def swap_layers_in_header(raw):
+    """A safetensors file's bytes with layer 0's and layer 1's first arrays
+    swapped in its header: valid JSON of the same length, a wrong cache."""
+    end = 8 + int.from_bytes(raw[:8], "little")
+    header = (
+        raw[8:end]
+        .replace(b'"0.0":{', b'"x.x":{')
+        .replace(b'"1.0":{', b'"0.0":{')
+        .replace(b'"x.x":{', b'"1.0":{')
+    )
+    assert header != raw[8:end]
+    return raw[:8] + header + raw[end:]
 
 
 def pytest_configure(config):

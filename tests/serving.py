@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -33,6 +34,70 @@ def server_supports(flag):
     return flag in out.stdout
 
 
+def cpu_seconds(pid):
+    """The CPU time a process has used so far (None where it cannot be read)."""
+    try:  # Linux: utime and stime, in clock ticks
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        pass
+    out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True)
+    return out.stdout.strip() or None  # macOS: [[dd-]hh:]mm:ss.cc, compared as is
+
+
+def progress(proc, log):
+    """What changes while a starting process works: its output's size and its
+    CPU time."""
+    return os.fstat(log.fileno()).st_size, cpu_seconds(proc.pid)
+
+
+def answers(port):
+    """Whether a server answers on ``port``."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+            return True
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def output(log, tail=4000):
+    """The end of what a process printed so far into ``log`` (an open file)."""
+    log.flush()
+    size = os.fstat(log.fileno()).st_size
+    # pread: the process writes through the same file offset.
+    end = os.pread(log.fileno(), tail, max(0, size - tail))
+    return end.decode(errors="replace")
+
+
+def wait_until_up(proc, port, log, stall=120, bound=900):
+    """Returns once the server ``proc`` answers on ``port``. Raises, naming
+    its output (``log``, an open file), at once when it exits, after ``stall``
+    seconds without progress, or after ``bound`` seconds in all. The caller
+    stops it."""
+    start = moved = time.monotonic()
+    seen = progress(proc, log)
+    while not answers(port):
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode} before answering; "
+                f"its output:\n{output(log)}"
+            )
+        now, state = time.monotonic(), progress(proc, log)
+        if state != seen:
+            seen, moved = state, now
+        elif now - moved > stall:
+            raise TimeoutError(
+                f"server made no progress for {stall} s (no output, no CPU "
+                f"time) and does not answer; its output:\n{output(log)}"
+            )
+        if now - start > bound:
+            raise TimeoutError(
+                f"server did not answer within {bound} s; its output:\n{output(log)}"
+            )
+        time.sleep(0.2)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,10 +107,28 @@ def free_port():
 class Server:
     """``python -m mlx_lm.server`` started on 127.0.0.1 with the given flags;
     the package activates through its start-up hook unless disabled. With
-    ``faults`` (``point:n``), the fault-injecting server of the test kit."""
+    ``faults`` (``point:n``), the fault-injecting server of the test kit;
+    ``module`` runs another server module with the same flags.
+
+    The start waits as long as the process makes progress (its output grows
+    or its CPU time advances), so it holds on a loaded machine: it fails at
+    once if the process exits, after ``stall`` seconds without progress, or
+    after ``bound`` seconds in all; every failure stops the process and
+    names its output."""
+
+    GRACE = 20  # seconds between terminate and kill
 
     def __init__(
-        self, model_path, *flags, disabled=False, env=None, log=None, faults=None
+        self,
+        model_path,
+        *flags,
+        disabled=False,
+        env=None,
+        log=None,
+        faults=None,
+        module="mlx_lm.server",
+        stall=120,
+        bound=900,
     ):
         self.port = free_port()
         environ = dict(os.environ, **(env or {}))
@@ -53,35 +136,36 @@ class Server:
         if disabled:
             environ["MLX_LM_MLA_DISABLE"] = "1"
         # faults ("point:n"): the server of mlx_lm_mla.testing.faults.
-        server = ["mlx_lm_mla.testing.faults", faults] if faults else ["mlx_lm.server"]
+        server = ["mlx_lm_mla.testing.faults", faults] if faults else [module]
         cmd = [sys.executable, "-m", *server, "--model", str(model_path)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
-        self.log = open(log or os.devnull, "w")
-        self.proc = subprocess.Popen(
-            cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT
-        )
-        self._wait()
+        # Without a log of the caller's, a temporary one: a failed start shows it.
+        self.log = open(log, "w+") if log else tempfile.TemporaryFile("w+")
+        try:
+            self.proc = subprocess.Popen(
+                cmd, env=environ, stdout=self.log, stderr=subprocess.STDOUT
+            )
+        except BaseException:
+            self.log.close()
+            raise
+        try:
+            wait_until_up(self.proc, self.port, self.log, stall, bound)
+        except BaseException:
+            self.close()
+            raise
 
-    def _wait(self, timeout=60):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.port}/v1/models", timeout=2
-                )
-                return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.2)
-        raise TimeoutError("server did not start")
+    def output(self):
+        return output(self.log)
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        """Terminates the server (kills it after GRACE seconds); idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=self.GRACE)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.log.close()
 
     def __enter__(self):
@@ -92,30 +176,13 @@ class Server:
 
     def abandon_stream(self, user, max_tokens, after_bytes):
         """Starts a streamed request and hangs up after reading a little."""
-        body = {
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": user},
-            ],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-        }
+        body = chat_body(user, max_tokens=max_tokens, stream=True)
         hang_up(self.port, body, after_bytes)
 
     def chat(self, user, max_tokens=200, stream=False, timeout=120, **extra):
         """One /v1/chat/completions request. Returns (text, usage) or raises
         RequestFailed with what the server said."""
-        body = {
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": user},
-            ],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": stream,
-            **extra,
-        }
+        body = chat_body(user, max_tokens=max_tokens, stream=stream, **extra)
         if stream:
             body["stream_options"] = {"include_usage": True}
         request = urllib.request.Request(
@@ -131,6 +198,15 @@ class Server:
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             raise RequestFailed(f"connection: {e}") from None
         return _parse(raw, stream)
+
+
+def chat_body(user, **fields):
+    """A greedy chat request: the shared system prompt, then ``user``."""
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": user},
+    ]
+    return {"messages": messages, "temperature": 0.0, **fields}
 
 
 def hang_up(port, body, after_bytes=0, linger=0.0):
@@ -251,16 +327,9 @@ class Stream(threading.Thread):
         self.text = self.error = None
 
     def run(self):
-        body = {
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": self.user},
-            ],
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **self.extra,
-        }
+        body = chat_body(
+            self.user, stream=True, stream_options={"include_usage": True}, **self.extra
+        )
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.server.port}/v1/chat/completions",
             data=json.dumps(body).encode(),

@@ -122,7 +122,10 @@ def batchable_with_kv_bits(model, bits=4, start=12):
         ),
         model_provider=SimpleNamespace(model=model, is_batchable=True),
     )
-    refuse = lambda self, args: False  # upstream refuses to batch with kv_bits
+
+    def refuse(self, args):  # upstream refuses to batch with kv_bits
+        return False
+
     return batchable_with_kv_bits(refuse)(server, SimpleNamespace(seed=None))
 
 

@@ -5,7 +5,7 @@ MLA models; the DSA indexer's keys stay at the model's dtype."""
 import mlx.core as mx
 import pytest
 import mlx_lm.models.cache as cache_module
-from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cache
+from mlx_lm.generate import BatchGenerator, maybe_quantize_kv_cache
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -19,6 +19,7 @@ from mlx_lm_mla import QuantizedLatentCache
 from mlx_lm_mla import tiny
 from mlx_lm_mla.checksum import CHECKSUM
 from mlx_lm_mla.patches import mlx_lm_version
+from mlx_lm_mla.testing.replay import generated
 
 from serving import Server, cached_tokens, four_clients, questions, server_supports
 from test_batching import drain, serving_kv_bits
@@ -39,16 +40,8 @@ def lists(cache):
     return [c for c in cache if isinstance(c, CacheList)]
 
 
-def generate(model, cache, prompt, bits=4, n=6):
-    steps = generate_step(
-        mx.array(prompt),
-        model,
-        prompt_cache=cache,
-        max_tokens=n,
-        kv_bits=bits,
-        quantized_kv_start=16,
-    )
-    return [t for t, _ in steps]
+def generate(model, cache, prompt, bits=4):
+    return generated(model, cache, prompt, 6, bits, start=16)
 
 
 def run(model_type, bits):

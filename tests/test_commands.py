@@ -1,9 +1,12 @@
 """The command line: ``python -m mlx_lm_mla`` / ``mlx-lm-mla``."""
 
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
+
+import pytest
 
 from mlx_lm_mla.__main__ import COMMANDS
 
@@ -28,10 +31,54 @@ def test_serve_takes_mlx_lm_server_flags():
     assert "--decode-concurrency" in out.stdout and "--prompt-cache-size" in out.stdout
 
 
-def test_unknown_command_prints_usage():
-    out = run("frobnicate")
+def test_an_unknown_command_is_named_in_an_error_line_after_the_usage():
+    out = run("frob")
     usage = "usage: mlx-lm-mla {" + ",".join(COMMANDS) + "}"
     assert out.returncode == 2 and usage in out.stderr
+    assert out.stderr.splitlines()[-1] == "mlx-lm-mla: error: unknown command 'frob'"
+
+
+def test_no_command_is_an_error_line_after_the_usage():
+    out = run()
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == "mlx-lm-mla: error: no command given"
+
+
+def unexplained(help_text):
+    """The arguments an argparse --help lists with no text after them."""
+    lines = help_text.splitlines() + [""]
+    missing = []
+    for line, after in zip(lines, lines[1:]):
+        if re.match(r"  \S", line):  # an argument, in any section
+            name, _, text = line.strip().partition("  ")
+            if not text.strip() and not re.match(r"   +\S", after):
+                missing.append(name)
+    return missing
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_each_commands_help_names_it_and_explains_each_argument(command):
+    out = run(command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: mlx-lm-mla {command} ")
+    assert unexplained(out.stdout) == []
+
+
+def test_the_help_check_catches_an_argument_without_text():
+    help_text = """usage: x [-h] [--seed SEED] dir
+
+positional arguments:
+  dir          a folder
+
+options:
+  -h, --help   show this help message and exit
+  --very-long-option VERY_LONG_OPTION
+  --seed SEED
+"""
+    assert unexplained(help_text) == [
+        "--very-long-option VERY_LONG_OPTION",
+        "--seed SEED",
+    ]
 
 
 def test_repro_shows_stock_failing_and_the_fix_serving():

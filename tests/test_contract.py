@@ -182,6 +182,13 @@ def test_a_method_with_other_parameters_switches_off_its_feature_alone(
     assert_only_off(REUSE, all_features, caplog, name)
 
 
+def replace(monkeypatch, module, name, value):
+    """Sets ``module.name`` for the test (``mlx_lm.generate`` by import: the
+    package's attribute of that name is a function); returns its dotted name."""
+    monkeypatch.setattr(importlib.import_module(module), name, value)
+    return f"{module}.{name}"
+
+
 def generate_step(prompt, model, *, prompt_cache=None, kv_group_size=64):
     """generate_step without a kv_bits keyword."""
 
@@ -189,9 +196,7 @@ def generate_step(prompt, model, *, prompt_cache=None, kv_group_size=64):
 def test_a_keyword_taken_no_more_switches_off_its_feature_alone(
     server, all_features, monkeypatch, caplog
 ):
-    generate = importlib.import_module("mlx_lm.generate")
-    monkeypatch.setattr(generate, "generate_step", generate_step)
-    name = "mlx_lm.generate.generate_step"
+    name = replace(monkeypatch, "mlx_lm.generate", "generate_step", generate_step)
     assert_only_off(CACHE_CHECKS, all_features, caplog, name)
 
 
@@ -209,8 +214,7 @@ class BatchGenerator:
 def test_a_renamed_field_switches_off_its_feature_alone(
     server, all_features, monkeypatch, caplog
 ):
-    generate = importlib.import_module("mlx_lm.generate")
-    monkeypatch.setattr(generate, "BatchGenerator", BatchGenerator)
+    replace(monkeypatch, "mlx_lm.generate", "BatchGenerator", BatchGenerator)
     name = "mlx_lm.generate.BatchGenerator._prompt_batch"
     assert_only_off(KV_BATCHING, all_features, caplog, name)
 

@@ -379,6 +379,8 @@ class Reads:
 
     def record(self, node, label):
         where = self.source.path.relative_to(PACKAGE.parent)
+        if isinstance(node, ast.comprehension):  # no position of its own
+            node = node.target
         self.reads.add((f"{where}:{node.lineno}", label))
 
     def holds(self, label):

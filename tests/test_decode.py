@@ -7,7 +7,6 @@ import warnings
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import mlx_lm_mla
@@ -15,21 +14,14 @@ from mlx_lm_mla import decode, decode_cuda, mla, patches
 from mlx_lm_mla.cache import _PackedLatent
 from mlx_lm_mla import tiny
 
+from conftest import step_logits
+
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(150)]
 PREFILL = 70
 
 
-def decode_logits(model, bits=None, dtype_cache=None):
-    """Logits of one decode step per token after a prefill, quantizing the
-    cache after the prefill when ``bits`` is given."""
-    cache = make_prompt_cache(model)
-    model(mx.array([TOKENS[:PREFILL]]), cache=cache)
-    if bits:
-        maybe_quantize_kv_cache(
-            cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
-        )
-    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[PREFILL:]]
-    return mx.concatenate(steps, axis=1)
+def decode_logits(model, bits=None):
+    return step_logits(model, TOKENS, PREFILL, bits)
 
 
 def stock_logits(model, **kwargs):
@@ -190,9 +182,9 @@ def test_a_quantized_decode_step_holds_a_few_chunks_not_the_latent(installed):
 def test_the_source_says_whether_an_attention_calls_a_function_by_name():
     class Calls:
         def __call__(self, q, k, v, cache=None):
-            return scaled_dot_product_attention(
+            return scaled_dot_product_attention(  # noqa: F821
                 q, k, v, cache=cache, scale=1.0, mask=None
-            )  # noqa: F821
+            )
 
     class CallsOther:
         def __call__(self, q, k, v, cache=None):

@@ -10,12 +10,13 @@ import math
 import mlx.core as mx
 import pytest
 from cuda_emulator import Emulator
-from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
 from mlx_lm_mla import decode, decode_cuda, tiny
 from mlx_lm_mla.cache import quantize_latent
+
+from conftest import step_logits
 
 ON_CUDA = decode_cuda.available()
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(140)]
@@ -179,14 +180,7 @@ def through_the_kernel(kernel_calls, monkeypatch):
 
 
 def decode_logits(model, bits=None, prefill=90):
-    cache = make_prompt_cache(model)
-    model(mx.array([TOKENS[:prefill]]), cache=cache)
-    if bits:
-        maybe_quantize_kv_cache(
-            cache, quantized_kv_start=0, kv_group_size=64, kv_bits=bits
-        )
-    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[prefill:]]
-    return mx.concatenate(steps, axis=1)
+    return step_logits(model, TOKENS, prefill, bits)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from mlx_lm_mla.__main__ import main as mlx_lm_mla_main
 from mlx_lm_mla.disk import hooks
 from mlx_lm_mla.disk.folder import INDEX, MARKER, SUBFOLDER, is_cache_name, temp_owner
 from mlx_lm_mla.disk.tier import DiskTier
+from conftest import swap_layers_in_header
 from serving import (
     SYSTEM,
     Server,
@@ -350,10 +351,22 @@ def fake_model(folder, seed=0):
     return (str(folder), None, None)
 
 
-def child(*args):
-    return subprocess.Popen(
-        [sys.executable, str(HERE / "disk_child.py"), *map(str, args)]
-    )
+@pytest.fixture
+def child():
+    """Starts tests/disk_child.py with the given arguments; every child still
+    running when the test ends, however it ends, is killed."""
+    started = []
+
+    def start(*args):
+        command = [sys.executable, str(HERE / "disk_child.py"), *map(str, args)]
+        started.append(subprocess.Popen(command))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture
@@ -384,18 +397,7 @@ def truncate(path):
 
 
 def swap_two_layers_in_header(path):
-    """The header of the file with layer 0's and layer 1's keys swapped: valid
-    JSON of the same length, a wrong cache."""
-    raw = path.read_bytes()
-    end = 8 + int.from_bytes(raw[:8], "little")
-    header = (
-        raw[8:end]
-        .replace(b'"0.0":{', b'"x.x":{')
-        .replace(b'"1.0":{', b'"0.0":{')
-        .replace(b'"x.x":{', b'"1.0":{')
-    )
-    assert header != raw[8:end]
-    path.write_bytes(raw[:8] + header + raw[end:])
+    path.write_bytes(swap_layers_in_header(path.read_bytes()))
 
 
 DAMAGES = {
@@ -591,7 +593,7 @@ def test_a_lower_bound_shrinks_the_folder_at_start(tiers, tmp_path, caplog):
     assert cache_files(tmp_path / "caches") == []
 
 
-def test_the_bound_holds_while_a_file_is_being_written(tiers, tmp_path):
+def test_the_bound_holds_while_a_file_is_being_written(tiers, child, tmp_path):
     key = fake_model(tmp_path / "model")
     folder = tmp_path / "caches"
     size = stored(tiers, key, folder=tmp_path / "probe").total_bytes()
@@ -603,7 +605,7 @@ def test_the_bound_holds_while_a_file_is_being_written(tiers, tmp_path):
     tier.close()
     # Killed when its file is written, before it is renamed into place.
     proc = child(folder, key[0], 2, 1, bound, "fsync:1")
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=600) == -signal.SIGKILL
     assert len(temp_files(folder)) == 1 and tier_bytes(folder) <= bound
 
 
@@ -635,7 +637,9 @@ def test_quantized_latents_stay_packed_on_disk(tiers, tmp_path):
 
 
 @pytest.mark.parametrize("crash", ["fsync:3", "replace:3", "kill"])
-def test_a_crash_while_writing_leaves_the_directory_whole(crash, tiers, tmp_path):
+def test_a_crash_while_writing_leaves_the_directory_whole(
+    crash, tiers, child, tmp_path
+):
     key = fake_model(tmp_path / "model")
     folder = tmp_path / "caches"
     if crash == "kill":  # killed from outside, wherever the writes are
@@ -645,7 +649,7 @@ def test_a_crash_while_writing_leaves_the_directory_whole(crash, tiers, tmp_path
         proc.send_signal(signal.SIGKILL)
     else:
         proc = child(folder, key[0], 0, 5, 1 << 30, crash)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=600) == -signal.SIGKILL
     done = len(rows(folder))
     assert done >= 2
     # Killed between writing and renaming, or renaming and committing: a
@@ -668,26 +672,26 @@ def rows_or_none(folder):
 
 
 def test_a_temporary_file_of_a_dead_process_is_swept_even_where_its_pid_lives_again(
-    tiers, tmp_path
+    tiers, child, tmp_path
 ):
     key = fake_model(tmp_path / "model")
     folder = tmp_path / "caches"
     # A writer killed with its file half done, whose PID this process has now
     # (a container's server is PID 1 in every run).
     proc = child(folder, key[0], 0, 1, 1 << 30, "fsync:1", os.getpid())
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=600) == -signal.SIGKILL
     assert len(temp_files(folder)) == 1
     tiers()
     assert consistent(folder)
 
 
-def test_two_processes_share_one_directory(tiers, tmp_path):
+def test_two_processes_share_one_directory(tiers, child, tmp_path):
     key = fake_model(tmp_path / "model")
     folder = tmp_path / "caches"
     size = stored(tiers, key, folder=tmp_path / "probe").total_bytes()
     bound = int(size * 6.5)
     procs = [child(folder, key[0], start, 8, bound) for start in (0, 100)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0]
     tier = tiers(max_bytes=bound)
     assert consistent(folder) and 0 < tier.total_bytes() <= bound
     kept = [
@@ -856,7 +860,9 @@ def test_names_in_the_index_are_never_taken_as_paths(tiers, tmp_path, caplog):
     assert sum("nothing deleted" in w for w in warnings_of(caplog)) == 3 * len(names)
 
 
-def test_every_file_the_tier_deletes_is_logged_with_its_reason(tiers, tmp_path, caplog):
+def test_every_file_the_tier_deletes_is_logged_with_its_reason(
+    tiers, child, tmp_path, caplog
+):
     key = fake_model(tmp_path / "model")
     folder = tmp_path / "caches"
     seen = set()
@@ -865,7 +871,7 @@ def test_every_file_the_tier_deletes_is_logged_with_its_reason(tiers, tmp_path, 
         seen.update(p.name for p in cache_files(folder) + temp_files(folder))
 
     assert (
-        child(folder, key[0], 0, 1, 1 << 30, "fsync:1").wait(timeout=60)
+        child(folder, key[0], 0, 1, 1 << 30, "fsync:1").wait(timeout=600)
         == -signal.SIGKILL
     )
     look()  # a temporary file of a dead process

@@ -11,7 +11,6 @@ import pytest
 from serving import (
     Server,
     Stream,
-    post_json,
     questions,
     raw_post,
     save_served_model,

@@ -6,11 +6,12 @@ import copy
 import mlx.core as mx
 import pytest
 import mlx_lm.models.cache as cache_module
-from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache, mla
 from mlx_lm_mla import tiny
+from mlx_lm_mla.testing.replay import generated
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(40)]
 SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its RoPE key
@@ -18,17 +19,8 @@ SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its R
 LOOKALIKE = {"num_attention_heads": 1, "num_key_value_heads": 1, "qk_nope_head_dim": 48}
 
 
-def generate(model, cache, prompt, bits, group_size=64, start=16, n=6):
-    steps = generate_step(
-        mx.array(prompt),
-        model,
-        prompt_cache=cache,
-        max_tokens=n,
-        kv_bits=bits,
-        kv_group_size=group_size,
-        quantized_kv_start=start,
-    )
-    return [t for t, _ in steps]
+def generate(model, cache, prompt, bits, group_size=64, start=16):
+    return generated(model, cache, prompt, 6, bits, start, group_size)
 
 
 def test_the_attention_classes_are_read_from_the_installed_models(installed):

@@ -139,12 +139,18 @@ def test_no_two_modules_of_different_concerns_share_a_file_name():
     assert {n: m for n, m in names.items() if len(m) > 1} == {}
 
 
-def test_the_code_is_as_ruff_formats_it_at_88_columns():
+def ruff(*args):
+    """``ruff ARGS .`` over the whole repository, with its ruff.toml."""
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--check", "."],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, "-m", "ruff", *args, "."]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True)
+
+
+def test_the_code_is_as_ruff_formats_it_at_88_columns():
+    out = ruff("format", "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_check_finds_nothing_under_the_rules_of_ruff_toml():
+    out = ruff("check", "--output-format", "concise")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -10,6 +10,7 @@ from mlx_lm_mla import QuantizedLatentCache
 from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.mla import latent_modules
+from mlx_lm_mla.testing.replay import generated
 
 from conftest import leaves
 
@@ -109,15 +110,7 @@ def test_a_loaded_model_quantizes_its_latent(installed, tmp_path):
     cache = make_prompt_cache(model)
     assert all(type(c) is KVCache for c in cache)
     prompt = tokenizer.encode("hello latent world")
-    steps = generate_step(
-        mx.array(prompt),
-        model,
-        prompt_cache=cache,
-        max_tokens=4,
-        kv_bits=4,
-        quantized_kv_start=0,
-    )
-    out = [t for t, _ in steps]
+    out = generated(model, cache, prompt, 4, bits=4)
     assert (
         len(out) == 4 and cache[0].offset == len(prompt) + 4
     )  # generate_step runs one step ahead

@@ -1,6 +1,5 @@
 """install() / uninstall(): idempotent, reversible, version checked."""
 
-import importlib
 import warnings
 
 import mlx.core as mx
@@ -11,7 +10,6 @@ import pytest
 
 import mlx_lm_mla
 from mlx_lm_mla import QuantizedLatentCache, patches
-from mlx_lm_mla import tiny
 
 
 def test_install_registers_classes_where_load_prompt_cache_looks(stock):

@@ -156,3 +156,67 @@ def test_the_readmes_repro_output_is_what_repro_prints():
     else:  # another mlx-lm (CI's other legs): the same rows, as labelled
         labels = [line[:24] for line in quoted]
         assert all(any(p.startswith(label) for p in printed) for label in labels)
+
+
+def section(heading):
+    """The README's text under ``## heading``, to the next heading."""
+    text = README.read_text(encoding="utf-8")
+    return text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def blocks_and_paragraphs(text):
+    """(the paragraph before it, its lines) of each code block in ``text``."""
+    parts = text.split("```\n")
+    return [
+        (parts[i - 1].strip().split("\n\n")[-1], parts[i].splitlines())
+        for i in range(1, len(parts), 2)
+    ]
+
+
+def second_terminal(block):
+    """The try-it lines typed in the second terminal: after the line that says
+    so, or, where the text says so, after the server's."""
+    said = [i for i, line in enumerate(block) if "another terminal" in line]
+    if not said:
+        said = [i for i, line in enumerate(block) if line.startswith("mlx_lm.server")]
+    return block[said[0] + 1 :]
+
+
+def unset_in_second_terminal(block):
+    """The variables the second terminal's lines read but do not set."""
+    lines = second_terminal(block)
+    used = set(re.findall(r"\$(\w+)", "\n".join(lines)))
+    return used - {name for line in lines for name in re.findall(r"^(\w+)=", line)}
+
+
+def test_the_try_it_sets_in_the_second_terminal_what_it_uses_there():
+    # A url= typed in the server's terminal leaves curl "no URL specified".
+    text = section("Try it in a minute")
+    (_, block), *_ = blocks_and_paragraphs(text)
+    assert "another terminal" in text and "$url" in "".join(block)
+    assert unset_in_second_terminal(block) == set()
+
+
+def test_the_try_it_check_catches_a_variable_set_in_the_servers_terminal():
+    block = ["mlx_lm.server --port 8080", "url=x     # then, in another terminal:"]
+    assert unset_in_second_terminal(block + ["curl $url"]) == {"url"}
+
+
+def test_no_time_said_for_a_command_covers_an_install_unsaid():
+    for heading in ("Quick start", "Try it in a minute", "Set up"):
+        for paragraph, block in blocks_and_paragraphs(section(heading)):
+            installs = any("pip install" in line for line in block)
+            timed = re.search(r"minute|\d s\b", heading + " " + paragraph)
+            assert not (installs and timed) or "install" in paragraph, paragraph
+
+
+def test_the_quick_start_installs_into_a_virtual_environment():
+    (_, block), *_ = blocks_and_paragraphs(section("Quick start"))
+    venv = next(i for i, line in enumerate(block) if "-m venv" in line)
+    install = next(i for i, line in enumerate(block) if "pip install" in line)
+    assert venv <= install and "bin/activate" in block[venv]
+
+
+def test_the_test_time_claim_is_marked_for_restating():
+    text = README.read_text(encoding="utf-8")
+    assert re.search(r"^<!-- test-time -->\nThe tests, .*\stake\s", text, re.M | re.S)

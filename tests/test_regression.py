@@ -1,49 +1,20 @@
 """The reported failure: KV quantization plus a prompt cache reused across
 requests on GLM-4.7-Flash (glm4_moe_lite)."""
 
-import mlx.core as mx
+import functools
+
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_lm_mla import QuantizedLatentCache
 from mlx_lm_mla import tiny
+from mlx_lm_mla.testing import replay
+from mlx_lm_mla.testing.replay import requests
 
 START = 48  # quantized_kv_start
+serve = functools.partial(replay.serve, start=START)
 # Rope width 64, so stock quantization (group size 64) gets to the model code.
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
-
-
-def serve(model, cache, history, prompt, bits, max_tokens=12):
-    """One request the way a server reuses its cache: trim to the common
-    prefix, process the rest, remember what the cache now holds."""
-    common = 0
-    while (
-        common < min(len(history), len(prompt) - 1)
-        and history[common] == prompt[common]
-    ):
-        common += 1
-    trim_prompt_cache(cache, cache[0].offset - common)
-    out = [
-        t
-        for t, _ in generate_step(
-            mx.array(prompt[common:]),
-            model,
-            prompt_cache=cache,
-            max_tokens=max_tokens,
-            kv_bits=bits,
-            kv_group_size=64,
-            quantized_kv_start=START,
-        )
-    ]
-    return (prompt + out)[: cache[0].offset], out
-
-
-def requests(n):
-    prefix = [(3 * i + 11) % 190 + 5 for i in range(30)]
-    return [
-        prefix + [(7 * r + j) % 190 + 5 for j in range(2 + r % 9)] for r in range(n)
-    ]
 
 
 @pytest.mark.parametrize("bits", [4, 8])

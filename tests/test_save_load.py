@@ -17,6 +17,8 @@ from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
 
+from conftest import swap_layers_in_header
+
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
 
 
@@ -312,20 +314,6 @@ def test_the_checksum_is_of_every_byte_of_the_file_whatever_pieces_it_is_written
     assert len(raw) == size and raw.count(f'"{value}"'.encode()) == 1
     blank = raw.replace(value.encode(), value[:-8].encode() + b"00000000")
     assert value == f"file-crc32:{zlib.crc32(blank):08x}"
-
-
-def swap_layers_in_header(raw):
-    """The file with layer 0's and layer 1's first arrays swapped in its
-    header: valid JSON of the same length, a wrong cache."""
-    end = 8 + int.from_bytes(raw[:8], "little")
-    header = (
-        raw[8:end]
-        .replace(b'"0.0":{', b'"x.x":{')
-        .replace(b'"1.0":{', b'"0.0":{')
-        .replace(b'"x.x":{', b'"1.0":{')
-    )
-    assert header != raw[8:end]
-    return raw[:8] + header + raw[end:]
 
 
 def test_a_header_that_swaps_two_layers_is_refused_by_its_checksum(installed, tmp_path):

@@ -8,8 +8,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
-import urllib.request
 from pathlib import Path
 
 import mlx_lm
@@ -17,7 +15,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_lm_mla import tiny
-from serving import free_port, server_supports
+from serving import free_port, server_supports, wait_until_up
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SWAPAXES = "AttributeError: 'list' object has no attribute 'swapaxes'"
@@ -116,18 +114,6 @@ def shell(script, cwd, env, **kw):
     )
 
 
-def wait_until_up(proc, port, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError("the server did not start")
-
-
 def answers(stdout):
     """The JSON replies curl printed, one after the other."""
     decoder, found, at = json.JSONDecoder(), [], 0
@@ -149,30 +135,47 @@ def readme_run(tmp_path_factory):
     made = shell(setup, folder, env, timeout=300)
     assert made.returncode == 0, made.stderr
 
-    def run(prefix=""):
+    def run(prefix="", flags=""):
         """(the client's output, the server's log) for the server command
-        started with prefix."""
+        started with prefix, and flags added."""
         port, log = str(free_port()), folder / f"server{prefix.strip()}.log"
-        with open(log, "w") as out:
+        command = prefix + server.replace("8080", port) + flags
+        with open(log, "w+") as out:
             proc = subprocess.Popen(
-                ["bash", "-c", prefix + server.replace("8080", port)],
+                ["bash", "-c", command],
                 cwd=folder,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        try:
-            wait_until_up(proc, port)
-            replies = shell(client.replace("8080", port), folder, env, timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+            try:
+                wait_until_up(proc, port, out)
+                replies = shell(client.replace("8080", port), folder, env, timeout=300)
+            finally:
+                stop_group(proc)
         return replies, log.read_text()
 
     run.section = " ".join(section.split())  # as read, whatever the line breaks
+    run.folder, run.env = folder, env
     return run
+
+
+def stop_group(proc, grace=30):
+    """Terminates a process group (the server and any shell around it); kills
+    it after ``grace`` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 KV_BITS = server_supports("--kv-bits")
@@ -190,6 +193,21 @@ def test_the_readme_try_it_serves_two_turns_past_quantized_kv_start(readme_run):
         assert reply["usage"]["completion_tokens"] == 100
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == said
     assert "swapaxes" not in log
+
+
+@pytest.mark.skipif(not KV_BITS, reason="this mlx_lm.server has no --kv-bits")
+def test_the_readme_disk_try_it_writes_the_files_it_says(readme_run):
+    text = README.read_text().split("## Prompt caches on disk", 1)[1]
+    text = " ".join(text.split("\n## ", 1)[0].split())
+    flags = re.search(r"server line, add `([^`]+)`", text).group(1)
+    stats, files = re.search(
+        r"`(mlx-lm-mla cache-dir stats \S+)` lists their (\d+)", text
+    ).groups()
+    replies, _ = readme_run(flags=" " + flags)
+    assert replies.returncode == 0, replies.stderr
+    out = shell(stats, readme_run.folder, readme_run.env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f": {files} cache files," in out.stdout
 
 
 @pytest.mark.skipif(not KV_BITS, reason="this mlx_lm.server has no --kv-bits")

@@ -47,6 +47,19 @@ def run_apply(*args):
     )
 
 
+def assert_refused_and_left_as_it_was(tree, match):
+    """apply.apply(tree) refuses it, with ``match`` in the message, and leaves
+    the file the first patch changes as it was."""
+    before = (tree / "mlx_lm/models/cache.py").read_text()
+    with pytest.raises(apply.UnfitTree, match=match):
+        apply.apply(tree)
+    assert (tree / "mlx_lm/models/cache.py").read_text() == before
+
+
+def edited(path, old, new):
+    path.write_text(path.read_text().replace(old, new))
+
+
 def test_a_tree_that_is_not_mlx_lm_is_refused(tmp_path):
     with pytest.raises(apply.UnfitTree, match="not an mlx-lm source tree"):
         apply.apply(tmp_path)
@@ -54,13 +67,9 @@ def test_a_tree_that_is_not_mlx_lm_is_refused(tmp_path):
 
 def test_another_release_is_refused_by_name_and_left_as_it_was(tmp_path):
     tree = release_tree(tmp_path, "0.31.3")
-    before = (tree / "mlx_lm/models/cache.py").read_text()
-    with pytest.raises(
-        apply.UnfitTree,
-        match=rf"is mlx-lm 0\.31\.3; the change is written for mlx-lm {apply.TARGET}",
-    ):
-        apply.apply(tree)
-    assert (tree / "mlx_lm/models/cache.py").read_text() == before
+    assert_refused_and_left_as_it_was(
+        tree, rf"is mlx-lm 0\.31\.3; the change is written for mlx-lm {apply.TARGET}"
+    )
 
 
 def test_the_command_refuses_an_unknown_tree_clearly(tmp_path):
@@ -158,34 +167,22 @@ if TARGET:
 
     def test_a_tree_whose_files_differ_from_the_release_is_refused_by_file(tmp_path):
         tree = release_tree(tmp_path)
-        base = tree / "mlx_lm/models/base.py"
-        base.write_text(
-            base.read_text().replace(
-                'hasattr(cache, "bits")', 'hasattr(cache, "bits") '
-            )
+        bits = 'hasattr(cache, "bits")'
+        edited(tree / "mlx_lm/models/base.py", bits, bits + " ")
+        assert_refused_and_left_as_it_was(
+            tree, r"not mlx-lm .* as released: patch 1 .*mlx_lm/models/base\.py"
         )
-        before = (tree / "mlx_lm/models/cache.py").read_text()
-        with pytest.raises(
-            apply.UnfitTree,
-            match=r"not mlx-lm .* as released: patch 1 .*mlx_lm/models/base\.py",
-        ):
-            apply.apply(tree)
-        assert (tree / "mlx_lm/models/cache.py").read_text() == before
 
     def test_a_tree_that_fails_the_second_patch_is_left_without_the_first(tmp_path):
         tree = release_tree(tmp_path)
-        server = tree / "mlx_lm/server.py"
-        server.write_text(
-            server.read_text().replace(
-                "and self.cli_args.kv_bits is None", "and not self.cli_args.kv_bits"
-            )
+        edited(
+            tree / "mlx_lm/server.py",
+            "and self.cli_args.kv_bits is None",
+            "and not self.cli_args.kv_bits",
         )
-        before = (tree / "mlx_lm/models/cache.py").read_text()
-        with pytest.raises(
-            apply.UnfitTree, match=r"as released: patch 2 .*mlx_lm/server\.py"
-        ):
-            apply.apply(tree)
-        assert (tree / "mlx_lm/models/cache.py").read_text() == before
+        assert_refused_and_left_as_it_was(
+            tree, r"as released: patch 2 .*mlx_lm/server\.py"
+        )
 
     def test_the_command_prints_the_files_it_changed(tmp_path):
         tree = release_tree(tmp_path)

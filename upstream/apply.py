@@ -84,9 +84,9 @@ def _git_apply(root, patch, *args):
 
 def _errors(out):
     return "; ".join(
-        l.removeprefix("error: ")
-        for l in out.stderr.splitlines()
-        if l.startswith("error:")
+        line.removeprefix("error: ")
+        for line in out.stderr.splitlines()
+        if line.startswith("error:")
     )
 
 
@@ -159,9 +159,9 @@ def apply(root, patches=len(SERIES), check=False):
     changed = []
     for patch in todo:
         changed += [
-            root / l.split("\t")[2]
-            for l in _git_apply(root, patch, "--numstat", *scope).stdout.splitlines()
-            if l
+            root / line.split("\t")[2]
+            for line in _git_apply(root, patch, "--numstat", *scope).stdout.splitlines()
+            if line
         ]
     if not check:
         for i, patch in enumerate(todo):

@@ -19,7 +19,12 @@ def main(argv=None):
         description="Install the fix into LM Studio's MLX engine, show it, "
         "or remove it.",
     )
-    parser.add_argument("command", choices=["install", "status", "uninstall"])
+    parser.add_argument(
+        "command",
+        choices=["install", "status", "uninstall"],
+        help="install the fix in each layer, show each layer's state, or "
+        "remove what install wrote",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--home", type=Path, metavar="DIR", help="LM Studio's home folder"

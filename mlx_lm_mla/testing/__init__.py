@@ -1,2 +1,3 @@
-"""The test kit: a fault-injecting server and the README's model table. The runtime
-never imports it, and ``lmstudio install`` does not copy it."""
+"""The test kit: a fault-injecting server, the README's model table, and requests
+replayed as a server reuses its cache. The runtime never imports it, and
+``lmstudio install`` does not copy it."""

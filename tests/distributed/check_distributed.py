@@ -46,6 +46,7 @@ from serving import (
     questions,
     save_served_model,
     server_supports,
+    wait_until_up,
 )
 
 HERE = Path(__file__).parent
@@ -351,7 +352,7 @@ class LaunchedServer(Server):
 
     def __init__(self, model_path, *flags, log, disabled=False):
         self.port = free_port_for_http()
-        self.log = open(log, "w")
+        self.log = open(log, "w+")
         args = [
             "--model",
             model_path,
@@ -363,8 +364,8 @@ class LaunchedServer(Server):
         ]
         self.proc = launch(HERE / "serve.py", *args, disabled=disabled, log=self.log)
         try:
-            self._wait(timeout=120)
-        except Exception:
+            wait_until_up(self.proc, self.port, self.log)
+        except BaseException:
             self.close()
             raise
 

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import sharded_load
 
 import mlx_lm_mla
+from mlx_lm_mla.testing.replay import generated
 
 START = 48  # quantized_kv_start: the first request of a reuse scenario crosses it
 GROUP = 64
@@ -71,18 +72,7 @@ def holdings(cache):
 
 
 def generate(model, cache, prompt, bits):
-    return [
-        t
-        for t, _ in generate_step(
-            mx.array(prompt),
-            model,
-            prompt_cache=cache,
-            max_tokens=MAX_TOKENS,
-            kv_bits=bits,
-            kv_group_size=GROUP,
-            quantized_kv_start=START,
-        )
-    ]
+    return generated(model, cache, prompt, MAX_TOKENS, bits, START, GROUP)
 
 
 def reuse(model, bits):

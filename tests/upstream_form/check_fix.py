@@ -9,6 +9,7 @@ ones of every MLA architecture that the package finds in the tree
 (``mlx_lm_mla.mla``), at the real latent widths (512, and a 64-wide RoPE key).
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -17,27 +18,22 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm.models.cache as cache
 import pytest
-from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
-from mlx_lm.models.cache import (
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla import tiny
+from mlx_lm_mla.testing import replay
+from mlx_lm_mla.testing.replay import generated, requests
 
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(23)]
 START = 32  # quantized_kv_start: every request crosses it
+serve = functools.partial(replay.serve, start=START)
 
 
 def leaves(caches):
     return [m for c in caches for m in getattr(c, "caches", [c])]
-
-
-def offset(caches):
-    return next(c.offset for c in leaves(caches) if hasattr(c, "offset"))
 
 
 def latent_attention(model):
@@ -58,39 +54,6 @@ def quantizing(caches):
         c
         for c in caches
         if isinstance(c, (cache.MLALatentCache, cache.QuantizedMLALatentCache))
-    ]
-
-
-def serve(model, caches, history, prompt, bits, max_tokens=12):
-    """One request the way a server reuses its cache: trim to the common
-    prefix, process the rest, remember what the cache now holds."""
-    common = 0
-    while (
-        common < min(len(history), len(prompt) - 1)
-        and history[common] == prompt[common]
-    ):
-        common += 1
-    if can_trim_prompt_cache(caches):
-        trim_prompt_cache(caches, offset(caches) - common)
-    elif common < len(history):  # a hybrid's state cannot be trimmed: start afresh
-        caches[:], common = make_prompt_cache(model), 0
-    steps = generate_step(
-        mx.array(prompt[common:]),
-        model,
-        prompt_cache=caches,
-        max_tokens=max_tokens,
-        kv_bits=bits,
-        kv_group_size=64,
-        quantized_kv_start=START,
-    )
-    out = [t for t, _ in steps]
-    return (prompt + out)[: offset(caches)], out
-
-
-def requests(n):
-    prefix = [(3 * i + 11) % 190 + 5 for i in range(30)]
-    return [
-        prefix + [(7 * r + j) % 190 + 5 for j in range(2 + r % 9)] for r in range(n)
     ]
 
 
@@ -265,23 +228,9 @@ def test_a_hand_built_kv_cache_is_refused_under_kv_bits_and_served_without(model
         ValueError,
         match=r"caches an MLA latent \(MLALatentCache\), but the prompt cache holds a KVCache",
     ):
-        list(
-            generate_step(
-                mx.array(PROMPT),
-                model,
-                prompt_cache=hand_built,
-                max_tokens=2,
-                kv_bits=4,
-                quantized_kv_start=0,
-            )
-        )
-    alone = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)]
-    assert [
-        t
-        for t, _ in generate_step(
-            mx.array(PROMPT), model, prompt_cache=hand_built, max_tokens=4
-        )
-    ] == alone
+        generated(model, hand_built, PROMPT, 2, bits=4)
+    alone = generated(model, None, PROMPT, 4)
+    assert generated(model, hand_built, PROMPT, 4) == alone
 
 
 def _generate(path, *flags):
