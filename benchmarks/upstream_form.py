@@ -42,7 +42,9 @@ from mlx_lm_mla import tiny  # noqa: E402
 
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
 FIX = hasattr(cache, "MLALatentCache")
-BATCH = hasattr(cache, "BatchMLALatentCache")
+BATCH = hasattr(
+    cache, "BatchQuantizedMLALatentCache"
+)  # patch 2 (patch 1 has the exact batch)
 
 
 def leaves(caches):

@@ -4,8 +4,9 @@ order, to an mlx-lm source tree:
     python upstream/apply.py DIR [--patches N] [--check]
 
 The series (``SERIES``): 1, the fix (``MLALatentCache`` from the MLA models'
-``make_cache``); 2, its batch variant (``BatchMLALatentCache``, batching under
-``kv_bits``). ``--patches 1`` applies the first alone; the default, all.
+``make_cache``); 2, its batch variant (``BatchQuantizedMLALatentCache``,
+batching under ``kv_bits``). ``--patches 1`` applies the first alone; the
+default, all.
 
 DIR holds ``mlx_lm/`` of mlx-lm ``TARGET`` (an unpacked sdist or wheel, or a
 git checkout at that tag). Where DIR also holds mlx-lm's ``tests/`` (the

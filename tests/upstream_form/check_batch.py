@@ -89,11 +89,12 @@ def test_merged_rows_extract_as_latent_caches_and_decode_quantized(model_type):
         )
 
 
+@pytest.mark.parametrize("start", [16, 0])  # at 0, a hybrid's SSM state too
 @pytest.mark.parametrize("model_type", ["glm4_moe_lite", "kimi_linear"])
-def test_batch_generator_quantizes_every_row_of_a_batch(model_type):
+def test_batch_generator_quantizes_every_row_of_a_batch(model_type, start):
     model, _ = tiny.build_model(model_type, **WIDE)
     gen = BatchGenerator(
-        model, max_tokens=6, kv_bits=8, quantized_kv_start=16, prefill_step_size=8
+        model, max_tokens=6, kv_bits=8, quantized_kv_start=start, prefill_step_size=8
     )
     tokens, caches = run(gen, [PROMPT, PROMPT[:5]])
     assert [len(t) for t in tokens] == [6, 6]
@@ -150,13 +151,34 @@ def test_float32_and_bfloat16_rows_decode_in_one_batch():
         assert [batch[0].extract(i).offset for i in range(2)] == [10, 5]
 
 
+REFUSED = r"This model's caches do not quantize \(kv_bits\) in a batch"
+
+
 def test_batch_generator_refuses_kv_bits_where_a_cache_cannot_quantize_in_a_batch():
     model, _ = tiny.build_model("glm4_moe_lite")
-    with pytest.raises(ValueError, match="Only MLA latent caches quantize"):
+    with pytest.raises(ValueError, match=REFUSED):
         BatchGenerator(model, kv_bits=4, max_kv_size=64)  # windows do not quantize
     qwen, _ = tiny.build_model("qwen2")
-    with pytest.raises(ValueError, match="Only MLA latent caches quantize"):
+    with pytest.raises(ValueError, match=REFUSED):
         BatchGenerator(qwen, kv_bits=4)
+
+
+def test_batch_generator_refuses_kv_bits_where_it_would_quantize_nothing():
+    # DeepSeek-V3.2 keeps its latents in a CacheList, which does not quantize.
+    model, _ = tiny.build_model("deepseek_v32")
+    with pytest.raises(ValueError, match=REFUSED):
+        BatchGenerator(model, kv_bits=4)
+
+
+def test_a_plain_kv_cache_row_is_refused_by_name_when_inserted():
+    model, _ = tiny.build_model("glm4_moe_lite", **WIDE)
+    gen = BatchGenerator(model, max_tokens=2, kv_bits=4)
+    try:
+        with pytest.raises(ValueError, match="caches an MLA latent"):
+            gen.insert([[3]], caches=[[cache.KVCache() for _ in model.layers]])
+        assert gen.insert([[3]]) == [0]  # nothing of the refused row was kept
+    finally:
+        gen.close()
 
 
 def _stream(port, prompt, times, together):
