@@ -3,6 +3,8 @@
 mlx-lm's one-KV-head attention reads the latent (keys and values alike) once per
 query head. Here the heads are the columns of one matmul, and the latent, decoded
 from its bytes if quantized, is read a chunk at a time under an online softmax.
+Each step takes whichever of stock's attention, this fold and (on CUDA) the
+kernel of ``decode_cuda`` agreed and ran fastest for its kind (``attend``).
 """
 
 import logging

@@ -4,7 +4,8 @@ Each thread block takes one sequence, a group of heads and a share of the
 positions; it decodes a tile of latent rows (packed bytes, scales and biases, or
 exact values) into shared memory once for all its heads, and keeps a running
 softmax. Blocks write their partial outputs; a few MLX ops combine them.
-``decode.latent_attention`` is the reference and the fallback.
+``decode.reference_attention`` is its reference; ``decode.attend`` serves a
+step by it only where it agreed and ran fastest, else by stock or the fold.
 """
 
 import logging
