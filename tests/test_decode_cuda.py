@@ -242,6 +242,16 @@ def test_a_kernel_that_raises_at_a_later_step_is_turned_off_and_stock_serves(
     assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
 
 
+def test_a_forced_kernel_serves_every_step_unchecked_and_untimed(
+    installed, kernel_calls, timed, monkeypatch
+):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "kernel")
+    model, _ = tiny.build_model("glm4_moe_lite")
+    decode_logits(model, prefill=120)
+    assert timed[1] == [] and decode._CHOSEN == {} and decode._KERNEL_AGREES == {}
+    assert len(kernel_calls) == (len(TOKENS) - 120) * len(model.layers)
+
+
 QUANTIZED = (64, 4, 512, "bfloat16", 64, "bfloat16")
 
 
