@@ -90,6 +90,34 @@ def test_the_kernel_reads_a_quantized_latent_from_its_bytes(kernel, bits):
     assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
 
 
+@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's loads")
+@pytest.mark.parametrize("bits, row_bytes", [(8, 512), (4, 256), (2, 128)])
+def test_aligned_quantized_rows_are_read_16_bytes_at_a_time(
+    kernel, emulator, bits, row_bytes
+):
+    cache, x = packed_cache(bits)
+    q = queries(dtype=mx.bfloat16)
+    expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
+    assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
+    # Each row of both sequences once, for the one group of 20 heads.
+    assert emulator.vector_loads == 2 * 150 * row_bytes // 16
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_unaligned_quantized_rows_are_read_a_byte_at_a_time(
+    kernel, emulator, monkeypatch, bits
+):
+    cache, x = packed_cache(bits)
+    keys, values, fmt = cache.latent_bytes(x)
+    # Rows an odd number of bytes apart, from an odd offset.
+    wider = mx.pad(keys, [(0, 0), (0, 0), (0, 0), (1, 0)])[..., 1:]
+    monkeypatch.setattr(emulator, "unaligned", True)
+    q = queries(dtype=mx.bfloat16)
+    expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
+    assert close(kernel(q, x, 0.05, None, (wider, values, fmt)), expected, x.dtype)
+    assert ON_CUDA or emulator.vector_loads == 0
+
+
 def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
     q, x = queries(), latent()
     mask = 3 * mx.random.normal((2, 20, 1, 150), key=mx.random.key(4))
