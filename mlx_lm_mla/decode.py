@@ -204,12 +204,6 @@ def _paths(original, queries, latent, cache, scale, mask):
     def fold():
         return latent_attention(queries, latent, scale, mask, read)
 
-    def kernel():
-        out = decode_cuda.latent_attention(queries, latent, scale, mask, packed)
-        if out is None:
-            raise NotImplementedError("the CUDA decode kernel has no variant for it")
-        return out
-
     kind = (
         queries.shape[1],
         queries.shape[-1],
@@ -217,6 +211,16 @@ def _paths(original, queries, latent, cache, scale, mask):
         packed[2] if packed else latent.dtype,
         getattr(mask, "dtype", None),
     )
+
+    def kernel():
+        out = decode_cuda.latent_attention(queries, latent, scale, mask, packed)
+        if out is None:
+            raise NotImplementedError(
+                f"the CUDA decode kernel has no variant for {kind} (heads, width, "
+                "query dtype, latent dtype or format, mask dtype)"
+            )
+        return out
+
     paths = {"stock": stock, "fold": fold}
     if decode_cuda.available():
         paths["kernel"] = kernel

@@ -280,6 +280,14 @@ def test_a_forced_kernel_serves_every_step_unchecked_and_untimed(
     assert len(kernel_calls) == (len(TOKENS) - 120) * len(model.layers)
 
 
+def test_a_forced_kernel_without_a_variant_for_the_step_says_so(monkeypatch):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "kernel")
+    monkeypatch.setattr(decode_cuda, "available", lambda: True)
+    q, x = queries(D=48), latent(D=48)
+    with pytest.raises(NotImplementedError, match="kernel has no variant for"):
+        decode.attend(None, q, x, None, 0.1, None)
+
+
 QUANTIZED = (64, 4, 512, "bfloat16", 64, "bfloat16")
 
 
