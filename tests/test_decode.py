@@ -330,8 +330,11 @@ def test_a_failing_fold_falls_back_to_stock_with_stocks_logits(
     assert mx.array_equal(got, stock_short_logits(model)).item()
 
 
+@pytest.mark.parametrize(
+    "wrong", [lambda out: out * 1.01, lambda out: out * mx.nan], ids=["1%", "nan"]
+)
 def test_a_fold_that_disagrees_with_float32_attention_serves_no_step(
-    installed, auto, monkeypatch
+    installed, auto, monkeypatch, wrong
 ):
     seconds, timed = auto
     seconds.update(stock=2.0, fold=1.0)
@@ -340,7 +343,7 @@ def test_a_fold_that_disagrees_with_float32_attention_serves_no_step(
     def paths(*args):
         kind, runs = original(*args)
         run = runs["fold"]
-        runs["fold"] = lambda: run() * 1.01
+        runs["fold"] = lambda: wrong(run())
         return kind, runs
 
     monkeypatch.setattr(decode, "_paths", paths)
