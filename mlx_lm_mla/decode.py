@@ -254,9 +254,18 @@ def choose(key, paths):
     off = _OFF.setdefault(kind, set())
     if "kernel" in paths and "kernel" not in off and not kernel_checked(kind):
         off.add("kernel")
-    exact = paths["reference"]()
     outs = {"stock": paths["stock"]()}
     mx.eval(outs["stock"])
+    try:
+        exact = paths["reference"]()
+    except Exception as e:  # nothing can be checked: stock serves
+        log.warning(
+            "MLA decode: no float32 reference for %s: %s: %s; stock serves",
+            kind,
+            type(e).__name__,
+            e,
+        )
+        exact, off = None, {"fold", "kernel"}
     for name in ("fold", "kernel"):
         if name in paths and name not in off:
             try:
@@ -268,10 +277,11 @@ def choose(key, paths):
                 )
                 off.add(name)
                 outs.pop(name, None)
-    error = {n: _distance(out, exact) for n, out in outs.items()}
-    bound = 2 * error["stock"] + 1e-4 * (1 + mx.abs(exact).max().item())
-    for name in list(outs):
-        if name != "stock" and not error[name] <= bound:  # NaN disagrees
+    if exact is not None:
+        error = {n: _distance(out, exact) for n, out in outs.items()}
+        bound = 2 * error["stock"] + 1e-4 * (1 + _distance(exact, 0.0))
+    for name in [n for n in outs if n != "stock"]:
+        if not error[name] <= bound:  # NaN disagrees
             log.warning(
                 "MLA decode: %s off for %s: %.3g from float32 attention, stock %.3g",
                 name,

@@ -353,6 +353,23 @@ def test_a_fold_that_disagrees_with_float32_attention_serves_no_step(
     assert mx.array_equal(got, stock_short_logits(model)).item()
 
 
+def test_where_float32_attention_cannot_be_computed_stock_serves(
+    installed, auto, monkeypatch, caplog
+):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+
+    def unavailable(*args):
+        raise RuntimeError("no CPU stream here")
+
+    monkeypatch.setattr(decode, "reference_attention", unavailable)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = short_logits(model)
+    assert "no float32 reference" in caplog.text and timed == []
+    assert mx.array_equal(got, stock_short_logits(model)).item()
+
+
 def test_a_chosen_path_that_raises_later_is_turned_off_and_stock_serves(
     installed, auto, monkeypatch, caplog
 ):
