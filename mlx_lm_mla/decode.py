@@ -3,9 +3,12 @@
 mlx-lm's one-KV-head attention reads the latent (keys and values alike) once per
 query head. Here the heads are the columns of one matmul, and the latent, decoded
 from its bytes if quantized, is read a chunk at a time under an online softmax.
+Each step takes whichever of stock's attention, this fold and (on CUDA) the
+kernel of ``decode_cuda`` agreed and ran fastest for its kind (``attend``).
 """
 
 import logging
+import os
 import time
 
 import mlx.core as mx
@@ -112,13 +115,93 @@ def _masked(scores, mask):
     return scores + mask.astype(mx.float32)
 
 
-def kernel_attention(queries, latent, scale, mask=None, cache=None):
-    """``latent_attention`` by ``decode_cuda``'s kernel, where it has a variant
-    that was as close to float32 attention as ``latent_attention`` on random
-    rows of the same kind, and ran faster than it on this device at this
-    length (to the next power of two); else None. ``cache``: the one that
-    holds ``latent`` as bytes, if any."""
-    packed = None if cache is None else cache.latent_bytes(latent)
+PATHS = ("auto", "stock", "fold", "kernel")
+
+
+def decode_path():
+    """The path MLA decode steps take, from ``MLX_LM_MLA_DECODE``: ``auto`` (the
+    default: chosen per kind of step, see ``attend``), ``stock`` (mlx-lm's
+    attention), ``fold`` (``latent_attention``) or ``kernel`` (``decode_cuda``)."""
+    value = os.environ.get("MLX_LM_MLA_DECODE", "")
+    path = value.strip().lower() or "auto"
+    if path not in PATHS:
+        raise ValueError(
+            f"MLX_LM_MLA_DECODE={value!r} is not a decode path: use one of "
+            + ", ".join(PATHS)
+        )
+    return path
+
+
+def reference_attention(queries, latent, scale, mask=None, read=None):
+    """``latent_attention`` in float32 on the CPU stream: a GPU's float32
+    matmuls may run as TF32, which is not the float32 reference."""
+    with mx.stream(mx.cpu):
+        out = latent_attention(queries.astype(mx.float32), latent, scale, mask, read)
+        mx.eval(out)
+    return out
+
+
+_CHOSEN = {}  # (kind, batch, length's bits) -> the path serving those steps
+_OFF = {}  # kind -> paths that failed or disagreed on a step of that kind
+_KERNEL_AGREES = {}  # kind -> whether the kernel passed its check on random rows
+
+
+def attend(original, queries, latent, cache, scale, mask):
+    """One MLA decode step by the path ``decode_path`` names; under ``auto``,
+    the path chosen for the step's kind (heads, width, dtypes, format, mask),
+    batch and length (to the next power of two): on the CPU by rule (see
+    ``rule``), elsewhere by ``choose`` at the first such step. A chosen
+    path that raises later is turned off for the kind and stock serves."""
+    kind, paths = _paths(original, queries, latent, cache, scale, mask)
+    path = decode_path()
+    if path != "auto":
+        if path not in paths:
+            raise RuntimeError(f"MLX_LM_MLA_DECODE=kernel: {_no_kernel()}")
+        return paths[path]()
+    key = (kind, queries.shape[0], latent.shape[2].bit_length())
+    if key not in _CHOSEN:
+        path = rule(key)
+        if path is None:
+            _CHOSEN[key], out = choose(key, paths)
+            return out
+        _CHOSEN[key] = "stock" if path in _OFF.get(kind, ()) else path
+        log.info("MLA decode: %s serves %s (CPU rule)", _CHOSEN[key], _named(key))
+    path = _CHOSEN[key]
+    if path != "stock":
+        try:
+            return paths[path]()
+        except Exception as e:
+            _turn_off(kind, path, e)
+    return paths["stock"]()
+
+
+# On the CPU the fold serves from 16 positions, stock below (where the two
+# are within noise of each other): measured once, see docs/decode.md.
+CPU_FOLD_FROM = 16
+
+
+def rule(key):
+    """The path for steps of ``key`` without timing, or None where they are
+    timed: on the CPU, where a rule measured once holds (docs/decode.md)."""
+    if mx.default_device() != mx.cpu:
+        return None
+    return "fold" if 1 << (key[2] - 1) >= CPU_FOLD_FROM else "stock"
+
+
+def _paths(original, queries, latent, cache, scale, mask):
+    """The step's kind and its paths, each a function giving its output."""
+    owner = packed_cache(cache, latent)
+    packed = None if owner is None else owner.latent_bytes(latent)
+    read = None if owner is None else owner.latent_reader(latent)
+
+    def stock():
+        # A quantized latent dequantized afresh, as stock's step pays for it.
+        rows = latent if read is None else read(0, latent.shape[2], latent.dtype)
+        return original(queries, rows, rows, cache, scale=scale, mask=mask)
+
+    def fold():
+        return latent_attention(queries, latent, scale, mask, read)
+
     kind = (
         queries.shape[1],
         queries.shape[-1],
@@ -128,56 +211,152 @@ def kernel_attention(queries, latent, scale, mask=None, cache=None):
     )
 
     def kernel():
-        return decode_cuda.latent_attention(queries, latent, scale, mask, packed)
-
-    def portable():
-        read = None if cache is None else cache.latent_reader(latent)
-        return latent_attention(queries, latent, scale, mask, read)
-
-    length = (queries.shape[0], latent.shape[2].bit_length())
-    try:
-        if kind not in _KERNEL_AGREES:
-            _KERNEL_AGREES[kind] = _kernel_agrees(kind)
-        if _KERNEL_AGREES[kind] and (kind, length) not in _KERNEL_FASTER:
-            # The step's own inputs, not the dequantized latent (never evaluated).
-            mx.eval(
-                queries, [] if mask is None else mask, packed[:2] if packed else latent
+        out = decode_cuda.latent_attention(queries, latent, scale, mask, packed)
+        if out is None:
+            raise NotImplementedError(
+                f"the CUDA decode kernel has no variant for {kind} (heads, width, "
+                "query dtype, latent dtype or format, mask dtype)"
             )
-            _KERNEL_FASTER[kind, length] = _seconds(kernel) < _seconds(portable)
-    except Exception as e:  # a kernel that fails to build or run is not used
-        log.warning("MLA decode kernel off for %s: %s: %s", kind, type(e).__name__, e)
-        _KERNEL_AGREES[kind] = False
-    if _KERNEL_AGREES[kind] and _KERNEL_FASTER[kind, length]:
-        return kernel()
-    return None
+        return out
+
+    paths = {"stock": stock, "fold": fold}
+    if decode_cuda.available():
+        paths["kernel"] = kernel
+    paths["reference"] = lambda: reference_attention(queries, latent, scale, mask, read)
+    return kind, paths
 
 
-_KERNEL_AGREES = {}  # kind of step -> whether the kernel gave the reference's
-_KERNEL_FASTER = {}  # (kind, (batch, length's bits)) -> measured faster
+def _no_kernel():
+    if not decode_cuda.ENABLED:
+        return "the CUDA decode kernel is switched off (MLX_LM_MLA_CUDA_KERNEL=0)"
+    return (
+        f"no decode kernel on this device ({mx.default_device()}): the kernel "
+        "runs on MLX's CUDA backend only"
+    )
 
 
-def _seconds(run, repeats=3):
-    mx.eval(run())  # built and warm
-    start = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(run())
-    return (time.perf_counter() - start) / repeats
+def _named(key):
+    (heads, width, dtype, fmt, mask), batch, bits = key
+    fmt = f"{fmt[1]}-bit latent" if isinstance(fmt, tuple) else f"{fmt} latent"
+    return (
+        f"{heads} heads of width {width}, {dtype} queries, {fmt}, mask {mask}, "
+        f"batch {batch}, {1 << max(bits - 1, 0)} to {(1 << bits) - 1} positions"
+    )
 
 
-def _kernel_agrees(kind):
-    """Both paths on random rows of ``kind`` (more than one tile, a mask if the
-    step has one, the step's format, quantized through a cache) against float32
-    attention over the same rows: the kernel must be as close as the portable
-    path, which rounds to the model's dtype where the kernel keeps float32."""
+def choose(key, paths):
+    """(path, its output): of the paths that run and agree with float32
+    attention on the step's own inputs (as closely as stock, twice its error),
+    the fastest, timed in interleaved repetitions; stock wins a tie."""
+    kind = key[0]
+    off = _OFF.setdefault(kind, set())
+    if "kernel" in paths and "kernel" not in off and not kernel_checked(kind):
+        off.add("kernel")
+    outs = {"stock": paths["stock"]()}
+    mx.eval(outs["stock"])
+    try:
+        exact = paths["reference"]()
+    except Exception as e:  # nothing can be checked: stock serves
+        log.warning(
+            "MLA decode: no float32 reference for %s: %s: %s; stock serves",
+            kind,
+            type(e).__name__,
+            e,
+        )
+        exact, off = None, {"fold", "kernel"}
+    for name in ("fold", "kernel"):
+        if name in paths and name not in off:
+            try:
+                outs[name] = paths[name]()
+                mx.eval(outs[name])
+            except Exception as e:
+                log.warning(
+                    "MLA decode: %s off for %s: %s: %s", name, kind, type(e).__name__, e
+                )
+                off.add(name)
+                outs.pop(name, None)
+    if exact is not None:
+        error = {n: _distance(out, exact) for n, out in outs.items()}
+        bound = 2 * error["stock"] + 1e-4 * (1 + _distance(exact, 0.0))
+    for name in [n for n in outs if n != "stock"]:
+        if not error[name] <= bound:  # NaN disagrees
+            log.warning(
+                "MLA decode: %s off for %s: %.3g from float32 attention, stock %.3g",
+                name,
+                kind,
+                error[name],
+                error["stock"],
+            )
+            off.add(name)
+            del outs[name]
+    seconds = _seconds({n: paths[n] for n in outs}) if len(outs) > 1 else {}
+    best = min(outs, key=lambda n: seconds.get(n, 0.0))
+    timed = ", ".join(f"{n} {1e3 * s:.3g} ms" for n, s in seconds.items())
+    log.info("MLA decode: %s serves %s (%s)", best, _named(key), timed or "alone")
+    return best, outs[best]
+
+
+def _distance(a, b):
+    return mx.abs(a.astype(mx.float32) - b).max().item()
+
+
+def _turn_off(kind, path, error):
+    log.warning(
+        "MLA decode: %s off for %s after %s: %s; stock serves the step",
+        path,
+        kind,
+        type(error).__name__,
+        error,
+    )
+    _OFF.setdefault(kind, set()).add(path)
+    for key in [k for k, p in _CHOSEN.items() if k[0] == kind and p == path]:
+        del _CHOSEN[key]  # chosen again among the others
+
+
+def _seconds(runs, repeats=5):
+    """Median seconds of each run, the repetitions interleaved (the order
+    rotating) so that a change of clock or load falls on every run alike."""
+    names = list(runs)
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            mx.eval(runs[name]())
+            times[name].append(time.perf_counter() - start)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+
+
+def kernel_checked(kind):
+    """Whether the kernel passed ``kernel_agrees`` for ``kind`` (run once);
+    a kernel that fails to build or run fails it."""
+    if kind not in _KERNEL_AGREES:
+        try:
+            _KERNEL_AGREES[kind] = kernel_agrees(kind)
+        except Exception as e:
+            log.warning(
+                "MLA decode: kernel off for %s: %s: %s", kind, type(e).__name__, e
+            )
+            _KERNEL_AGREES[kind] = False
+    return _KERNEL_AGREES[kind]
+
+
+def kernel_agrees(kind, batch=2):
+    """The kernel and the fold on random rows of ``kind`` (``batch`` sequences,
+    enough positions that each block takes several tiles, a mask if the step
+    has one, the step's format, quantized through a cache) against float32
+    attention over the same rows: the kernel must be as close as the fold,
+    which rounds to the model's dtype where the kernel keeps float32."""
     H, D, dtype, fmt, mask_dtype = kind
-    L = 2 * decode_cuda.TILE + 5
+    groups = -(-H // decode_cuda.heads_per_block(H))
+    blocks = -(-decode_cuda.BLOCKS // (batch * groups))
+    L = 3 * decode_cuda.TILE * blocks + 5
     k = mx.random.split(mx.random.key(0), 3)
-    q = mx.random.normal((1, H, 1, D), key=k[0]).astype(dtype)
-    rows = mx.random.normal((1, 1, L, D), key=k[1])
+    q = mx.random.normal((batch, H, 1, D), key=k[0]).astype(dtype)
+    rows = mx.random.normal((batch, 1, L, D), key=k[1])
     read, packed = None, None
     if isinstance(fmt, tuple):  # quantized: (group, bits, width, dtype, ...)
         group_size, bits, _, latent_dtype, rope_width, rope_dtype = fmt
-        rope = mx.zeros((1, 1, L, rope_width), getattr(mx, rope_dtype))
+        rope = mx.zeros((batch, 1, L, rope_width), getattr(mx, rope_dtype))
         small = KVCache()
         small.update_and_fetch(rows.astype(getattr(mx, latent_dtype)), rope)
         small = quantize_latent(small, group_size, bits)
@@ -187,26 +366,25 @@ def _kernel_agrees(kind):
         rows = rows.astype(fmt)
     mask = None
     if mask_dtype is not None:
-        keep = mx.random.uniform(shape=(1, H, 1, rows.shape[2]), key=k[2]) > 0.2
+        keep = mx.random.uniform(shape=(batch, H, 1, rows.shape[2]), key=k[2]) > 0.2
         mask = keep if mask_dtype == mx.bool_ else mx.where(keep, 0.0, -1e4)
         mask = mask.astype(mask_dtype)
-    wide = mask if mask is None or mask.dtype == mx.bool_ else mask.astype(mx.float32)
-    exact = latent_attention(q.astype(mx.float32), rows.astype(mx.float32), 0.1, wide)
-    portable = latent_attention(q, rows, 0.1, mask, read)
+    exact = reference_attention(q, rows, 0.1, mask, read)
+    fold = latent_attention(q, rows, 0.1, mask, read)
     got = decode_cuda.latent_attention(q, rows, 0.1, mask, packed)
     if got is None:
-        log.warning("MLA decode kernel off for %s: it has no variant", kind)
+        log.warning("MLA decode: kernel off for %s: it has no variant", kind)
         return False
-    bound = 2 * mx.abs(portable.astype(mx.float32) - exact).max() + 1e-4
-    agrees = (mx.abs(got.astype(mx.float32) - exact).max() <= bound).item()
+    bound = 2 * _distance(fold, exact) + 1e-4
+    agrees = _distance(got, exact) <= bound
     if not agrees:
-        log.warning("MLA decode kernel off for %s: it disagreed", kind)
+        log.warning("MLA decode: kernel off for %s: it disagreed", kind)
     return agrees
 
 
 def folded_attention(original):
-    """``scaled_dot_product_attention`` that decodes through ``latent_attention``
-    (on MLX's CUDA backend, its kernel where it agrees with it and is faster)."""
+    """``scaled_dot_product_attention`` whose MLA decode steps go through
+    ``attend``: stock's function, the fold or the CUDA kernel."""
 
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale, mask, sinks=None
@@ -214,13 +392,7 @@ def folded_attention(original):
         if is_latent_decode(queries, keys, values, mask, sinks) and not hasattr(
             cache, "bits"
         ):
-            owner = packed_cache(cache, keys)
-            if decode_cuda.available():
-                out = kernel_attention(queries, keys, scale, mask, owner)
-                if out is not None:
-                    return out
-            read = None if owner is None else owner.latent_reader(keys)
-            return latent_attention(queries, keys, scale, mask, read)
+            return attend(original, queries, keys, cache, scale, mask)
         return original(
             queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
         )

@@ -4,7 +4,8 @@ Each thread block takes one sequence, a group of heads and a share of the
 positions; it decodes a tile of latent rows (packed bytes, scales and biases, or
 exact values) into shared memory once for all its heads, and keeps a running
 softmax. Blocks write their partial outputs; a few MLX ops combine them.
-``decode.latent_attention`` is the reference and the fallback.
+``decode.reference_attention`` is its reference; ``decode.attend`` serves a
+step by it only where it agreed and ran fastest, else by stock or the fold.
 """
 
 import logging
@@ -54,6 +55,36 @@ __device__ inline void mla_unpack(
       const int q = (byte >> (e * BITS)) & ((1 << BITS) - 1);
       // Rounded to the latent's dtype, as the dequantized latent is.
       out[e] = static_cast<float>(LT(float(q) * s + b));
+    }
+  }
+}
+
+// Values first .. first + 16 * 8 / BITS - 1 of a quantized row from one
+// 16-byte load at x (aligned), each group's scale and bias read once.
+template <int BITS, int G, typename LT, typename XT>
+__device__ inline void mla_unpack16(
+    const XT* x, const uint8_t* v, int64_t vstep,
+    int scale_at, int bias_at, int first, float* out) {
+  if constexpr (BITS > 0) {
+    constexpr int per = 8 / BITS;
+    constexpr int groups = 16 * per > G ? 16 * per / G : 1;
+    const uint4 word = *reinterpret_cast<const uint4*>(x);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&word);
+    float s[groups], b[groups];
+#pragma unroll
+    for (int j = 0; j < groups; ++j) {
+      const int at = (first / G + j) * int(sizeof(LT));
+      s[j] = mla_scalar<LT>(v, vstep, scale_at + at);
+      b[j] = mla_scalar<LT>(v, vstep, bias_at + at);
+    }
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int j = k * per / G;
+#pragma unroll
+      for (int e = 0; e < per; ++e) {
+        const int q = (int(bytes[k]) >> (e * BITS)) & ((1 << BITS) - 1);
+        out[k * per + e] = static_cast<float>(LT(float(q) * s[j] + b[j]));
+      }
     }
   }
 }
@@ -110,10 +141,39 @@ SOURCE = """
   }
   __syncthreads();
 
+  // Quantized rows read 16 bytes at a time where whole vectors of them are
+  // aligned (a power-of-two group, so a vector's groups are whole or one).
+  constexpr int PER = BITS == 0 ? 1 : 8 / BITS;  // values per byte or value
+  constexpr int VW = 16 * PER;                   // values per 16 bytes
+  constexpr bool CAN_WIDE = BITS > 0 && D % VW == 0 && (G & (G - 1)) == 0;
+  bool wide = false;
+  if constexpr (CAN_WIDE) {
+    wide = x_strides[3] == 1 && x_strides[2] % 16 == 0 &&
+        reinterpret_cast<unsigned long long>(x + b * x_strides[0]) % 16 == 0;
+  }
+
   for (int t0 = s0; t0 < s1; t0 += TILE) {
     const int nt = min(TILE, s1 - t0);
-    constexpr int PER = BITS == 0 ? 1 : 8 / BITS;  // values per unit read
-    for (int i = tid; i < TILE * (D / PER); i += NT) {
+    if constexpr (CAN_WIDE) {
+      for (int i = tid; wide && i < TILE * (D / VW); i += NT) {
+        const int t = i / (D / VW);
+        const int c = i % (D / VW);
+        float* out = xs + t * (D + 1) + c * VW;
+        if (t < nt) {
+          const int64_t p = t0 + t;
+          mla_unpack16<BITS, G, LT>(
+              x + b * x_strides[0] + p * x_strides[2] + c * 16,
+              v + b * v_strides[0] + p * v_strides[2], v_strides[3],
+              SCALE_AT, BIAS_AT, c * VW, out);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VW; ++e) {
+            out[e] = 0.0f;
+          }
+        }
+      }
+    }
+    for (int i = tid; !wide && i < TILE * (D / PER); i += NT) {
       const int t = i / (D / PER);
       const int k = i % (D / PER);
       float values[PER];

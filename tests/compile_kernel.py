@@ -1,6 +1,7 @@
 """Compiles each variant of the CUDA decode kernel with nvcc, as MLX's CUDA
-backend would build it, for Ampere and Hopper; fails on any error or spilled
-register. `.ci/run` runs it where nvcc is installed (no GPU needed):
+backend would build it, for Ampere and Hopper; fails on any error, a spilled
+register, or a quantized variant without a 16-byte load in its PTX. `.ci/run`
+runs it where nvcc is installed (no GPU needed):
 
     python tests/compile_kernel.py
 """
@@ -51,6 +52,16 @@ def variants():
     yield "4-bit, float16 scales", packed(4, mx.float16)
 
 
+def vector_loads(source, arch):
+    """16-byte global loads (``ld.global.v4`` of 32-bit words) in the PTX."""
+    ptx = subprocess.run(
+        ["nvcc", f"-arch={arch}", "-ptx", "-o", "-", str(source)],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return len(re.findall(r"ld\.global(?:\.nc)?\.v4\.[ub]32", ptx))
+
+
 def main():
     kernel = Emulator(
         decode_cuda.INPUTS, decode_cuda.OUTPUTS, decode_cuda.SOURCE, decode_cuda.HEADER
@@ -74,10 +85,13 @@ def main():
             registers = re.findall(r"Used (\d+) registers", out.stderr)
             spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
             ok = out.returncode == 0 and spills and all(s == "0" for s in spills)
+            wide = vector_loads(path, arch) if ok else 0
+            # A quantized latent's rows are read 16 bytes at a load.
+            ok = ok and (wide > 0 or "bit" not in name)
             print(
                 f"{'ok' if ok else 'FAILED':6} {arch} {name}: "
                 f"{registers[0] if registers else '?'} registers, "
-                f"{launch['shared_memory']} bytes shared"
+                f"{launch['shared_memory']} bytes shared, {wide} 16-byte loads"
             )
             if not ok:
                 print(out.stderr[-3000:])

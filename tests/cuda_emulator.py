@@ -49,6 +49,13 @@ struct __nv_bfloat16 {
   }
 };
 typedef _Float16 __half;
+// CUDA's 16-byte vector; each copy (a load in the kernel) is counted.
+long vector_loads = 0;
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+  uint4() = default;
+  uint4(const uint4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { ++vector_loads; }
+};
 
 struct Dim3 { unsigned x = 1, y = 1, z = 1; };
 Dim3 threadIdx, blockIdx, blockDim, gridDim;
@@ -133,14 +140,16 @@ def _numpy(a):
     return np.array(a)
 
 
-def _strided(x):
+def _strided(x, unaligned=False):
     """A view of ``x`` in a larger buffer: every second row of its first axis,
-    from an offset on its third, so the kernel must read through strides."""
+    from an offset on its third, so the kernel must read through strides;
+    ``unaligned``: bytes from an odd offset, rows an odd number apart."""
     if x.ndim != 4 or x.size <= 1:
         return x
     B, A, L, W = x.shape
-    buffer = np.zeros((2 * B, A, L + 7, W), x.dtype)
-    view = buffer[::2, :, 3 : 3 + L, :]
+    pad = 1 if unaligned and x.itemsize == 1 else 0
+    buffer = np.zeros((2 * B, A, L + 7, W + pad), x.dtype)
+    view = buffer[::2, :, 3 : 3 + L, pad:]
     view[...] = x
     return view
 
@@ -155,6 +164,8 @@ class Emulator:
         self.source, self.header = source, header
         self.folder = Path(folder or tempfile.mkdtemp(prefix="cuda-emulator-"))
         self.libraries = {}
+        self.unaligned = False  # byte inputs out of 16-byte alignment
+        self.vector_loads = 0  # 16-byte loads the last launch made
 
     def _signature(self, dtypes, output_dtypes, template, grid_constant=""):
         """Parameters, the launcher's arguments for them, and the template's
@@ -234,8 +245,11 @@ static void run_thread() {{
   fibers[current].done = true;
 }}
 
+extern "C" long loads16() {{ return vector_loads; }}
+
 extern "C" void launch(void** data, const int32_t* shapes,
     const int64_t* strides, int gx, int gy, int gz, int nt) {{
+  vector_loads = 0;
   g_data = data;
   g_shapes = shapes;
   g_strides = strides;
@@ -294,6 +308,8 @@ extern "C" void launch(void** data, const int32_t* shapes,
                 src.write_text(code)
                 built = subprocess.run(
                     ["g++", "-std=c++20", "-O2", "-shared", "-fPIC"]
+                    # A misaligned vector load traps, as on a GPU.
+                    + ["-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
                     + ["-Wno-unknown-pragmas", str(src), "-o", f"{lib}.{os.getpid()}"],
                     capture_output=True,
                     text=True,
@@ -308,8 +324,9 @@ extern "C" void launch(void** data, const int32_t* shapes,
         self, inputs, template, grid, threadgroup, output_shapes, output_dtypes
     ):
         code = self._code([a.dtype for a in inputs], output_dtypes, template)
-        launch = self._library(code).launch
-        arrays = [_strided(_numpy(a)) for a in inputs]
+        library = self._library(code)
+        library.loads16.restype = ctypes.c_long
+        arrays = [_strided(_numpy(a), self.unaligned) for a in inputs]
         outputs = [
             np.zeros(shape, np.float32 if dtype == mx.float32 else np.uint8)
             for shape, dtype in zip(output_shapes, output_dtypes)
@@ -325,7 +342,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
         (gx, gy, gz), (tx, ty, tz) = grid, threadgroup
         assert ty == tz == 1 and gx % tx == 0, "one-dimensional blocks only"
         assert tx % 32 == 0, "whole warps only"
-        launch(
+        library.launch(
             data,
             shapes.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             strides.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
@@ -334,4 +351,5 @@ extern "C" void launch(void** data, const int32_t* shapes,
             gz,
             tx,
         )
+        self.vector_loads = library.loads16()
         return [mx.array(o) for o in outputs]

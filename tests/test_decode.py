@@ -3,9 +3,11 @@ model gives stock's logits, a quantized latent is read from its bytes a
 chunk at a time, and prefill and other models keep stock's attention."""
 
 import importlib
+import logging
 import warnings
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
@@ -34,9 +36,11 @@ def stock_logits(model, **kwargs):
 
 @pytest.fixture(autouse=True)
 def portable_path(monkeypatch):
-    """These tests are of the portable path; on MLX's CUDA backend the kernel
-    has its own (tests/test_decode_cuda.py)."""
+    """These tests are of the fold, which every device then takes (the
+    choice's tests below leave the choice to ``auto``); on MLX's CUDA backend
+    the kernel has its own (tests/test_decode_cuda.py)."""
     monkeypatch.setattr(decode_cuda, "ENABLED", False)
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "fold")
 
 
 @pytest.fixture
@@ -222,3 +226,247 @@ def test_an_attention_that_no_longer_calls_it_is_named_and_its_decode_is_off(
             "mlx_lm.models.deepseek_v3.scaled_dot_product_attention"
             in mlx_lm_mla.installed()
         )
+
+
+# The choice among stock, the fold and (on CUDA) the kernel.
+
+
+@pytest.fixture
+def auto(monkeypatch):
+    """Steps choose their path afresh, by timing on every device (the CPU's
+    rule off), the timing patched: ``seconds[path]`` is each path's time.
+    Returns (seconds, the path names timed together at each choice)."""
+    monkeypatch.delenv("MLX_LM_MLA_DECODE")
+    for table in ("_CHOSEN", "_OFF", "_KERNEL_AGREES"):
+        monkeypatch.setattr(decode, table, {})
+    monkeypatch.setattr(decode, "rule", lambda key: None)
+    seconds, timed = {}, []
+
+    def measured(runs):
+        timed.append(sorted(runs))
+        return {name: seconds[name] for name in runs}
+
+    monkeypatch.setattr(decode, "_seconds", measured)
+    return seconds, timed
+
+
+def short_logits(model, prefill=120, end=135):
+    """Steps at 121 to 135 positions: two lengths to the next power of two."""
+    cache = make_prompt_cache(model)
+    model(mx.array([TOKENS[:prefill]]), cache=cache)
+    steps = [model(mx.array([[t]]), cache=cache) for t in TOKENS[prefill:end]]
+    return mx.concatenate(steps, axis=1)
+
+
+def stock_short_logits(model):
+    mlx_lm_mla.uninstall()
+    try:
+        return short_logits(model)
+    finally:
+        mlx_lm_mla.install()
+
+
+def broken(monkeypatch, path, after=0):
+    """``path`` raises from its ``after + 1``-th call on; returns its calls."""
+    calls, original = [], decode._paths
+
+    def paths(*args):
+        kind, runs = original(*args)
+        run = runs[path]
+
+        def failing():
+            calls.append(1)
+            if len(calls) > after:
+                raise RuntimeError(f"{path} broke")
+            return run()
+
+        runs[path] = failing
+        return kind, runs
+
+    monkeypatch.setattr(decode, "_paths", paths)
+    return calls
+
+
+def test_a_slower_fold_serves_no_step(installed, auto):
+    seconds, timed = auto
+    seconds.update(stock=1.0, fold=2.0)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    got = short_logits(model)
+    assert timed == [["fold", "stock"], ["fold", "stock"]]
+    assert set(decode._CHOSEN.values()) == {"stock"}
+    assert mx.array_equal(got, stock_short_logits(model)).item()
+
+
+def test_a_faster_fold_serves_every_step(installed, auto, calls):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    got = short_logits(model)
+    assert len(timed) == 2 and set(decode._CHOSEN.values()) == {"fold"}
+    # Each step a call; each choice also one for float32 attention.
+    assert len(calls) == 15 * len(model.layers) + 2
+    assert mx.allclose(got, stock_short_logits(model), atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_failing_fold_falls_back_to_stock_with_stocks_logits(
+    installed, auto, monkeypatch, caplog
+):
+    seconds, _ = auto
+    seconds.update(stock=2.0, fold=1.0)
+    failed = broken(monkeypatch, "fold")
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = short_logits(model)
+    assert len(failed) == 1  # tried once, then off for the kind
+    assert "fold off" in caplog.text and "fold broke" in caplog.text
+    assert mx.array_equal(got, stock_short_logits(model)).item()
+
+
+@pytest.mark.parametrize(
+    "wrong", [lambda out: out * 1.01, lambda out: out * mx.nan], ids=["1%", "nan"]
+)
+def test_a_fold_that_disagrees_with_float32_attention_serves_no_step(
+    installed, auto, monkeypatch, wrong
+):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+    original = decode._paths
+
+    def paths(*args):
+        kind, runs = original(*args)
+        run = runs["fold"]
+        runs["fold"] = lambda: wrong(run())
+        return kind, runs
+
+    monkeypatch.setattr(decode, "_paths", paths)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    got = short_logits(model)
+    assert timed == [] and set(decode._CHOSEN.values()) == {"stock"}
+    assert mx.array_equal(got, stock_short_logits(model)).item()
+
+
+def test_where_float32_attention_cannot_be_computed_stock_serves(
+    installed, auto, monkeypatch, caplog
+):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+
+    def unavailable(*args):
+        raise RuntimeError("no CPU stream here")
+
+    monkeypatch.setattr(decode, "reference_attention", unavailable)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = short_logits(model)
+    assert "no float32 reference" in caplog.text and timed == []
+    assert mx.array_equal(got, stock_short_logits(model)).item()
+
+
+def test_a_chosen_path_that_raises_later_is_turned_off_and_stock_serves(
+    installed, auto, monkeypatch, caplog
+):
+    seconds, _ = auto
+    seconds.update(stock=2.0, fold=1.0)
+    # The check at 121 positions, then 4 steps of its 2 layers: the 5th call.
+    failed = broken(monkeypatch, "fold", after=4)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = short_logits(model)
+    assert len(model.layers) == 2 and len(failed) == 5
+    assert "fold off" in caplog.text and "stock serves the step" in caplog.text
+    assert set(decode._CHOSEN.values()) == {"stock"}
+    assert mx.allclose(got, stock_short_logits(model), atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("path", ["stock", "fold"])
+def test_a_forced_path_serves_every_step_untimed(
+    installed, auto, calls, monkeypatch, path
+):
+    seconds, timed = auto
+    seconds.update(stock=1.0, fold=1.0)
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", path)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    got = short_logits(model)
+    assert timed == [] and decode._CHOSEN == {}
+    assert len(calls) == (15 * len(model.layers) if path == "fold" else 0)
+    expected = stock_short_logits(model)
+    if path == "stock":
+        assert mx.array_equal(got, expected).item()
+
+
+def test_an_invalid_forced_path_is_named_in_the_error(installed, monkeypatch):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "fastest")
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with pytest.raises(ValueError, match="MLX_LM_MLA_DECODE='fastest' is not a"):
+        short_logits(model)
+
+
+def test_a_forced_kernel_where_there_is_none_says_so(installed, monkeypatch):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "kernel")
+    monkeypatch.setattr(decode_cuda, "ENABLED", True)
+    monkeypatch.setattr(decode_cuda, "available", lambda: False)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with pytest.raises(RuntimeError, match="kernel: no decode kernel on this device"):
+        short_logits(model)
+
+
+def attention_step(batch, length, dtype=mx.bfloat16):
+    """A decode step's attention at GLM-4.7-Flash's widths (20 heads, 512)."""
+    k = mx.random.split(mx.random.key(batch * length), 3)
+    q = mx.random.normal((batch, 20, 1, 512), key=k[0]).astype(dtype)
+    x = mx.random.normal((batch, 1, length, 512), key=k[1]).astype(dtype)
+    mask = mx.random.normal((batch, 20, 1, length), key=k[2]).astype(dtype)
+    sdpa = importlib.import_module("mlx_lm.models.base").scaled_dot_product_attention
+    return decode.attend(sdpa, q, x, None, 0.1, mask)
+
+
+def test_each_batch_size_and_length_is_chosen_once(auto, caplog):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+    with caplog.at_level(logging.INFO, logger="mlx_lm_mla.decode"):
+        for batch, length in [(1, 40), (2, 40), (1, 50), (1, 70), (2, 60)]:
+            attention_step(batch, length)
+    kind = (20, 512, mx.bfloat16, mx.bfloat16, mx.bfloat16)
+    assert sorted(decode._CHOSEN) == [(kind, 1, 6), (kind, 1, 7), (kind, 2, 6)]
+    # One INFO line a choice, naming the path and what it serves.
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(lines) == len(timed) == 3
+    assert lines[1].startswith("MLA decode: fold serves 20 heads of width 512")
+    assert "batch 2, 32 to 63 positions" in lines[1]
+
+
+def test_on_the_cpu_the_fold_serves_from_16_positions_by_rule(monkeypatch, calls):
+    monkeypatch.delenv("MLX_LM_MLA_DECODE")
+    monkeypatch.setattr(decode, "_CHOSEN", {})
+    monkeypatch.setattr(decode, "_OFF", {})
+    monkeypatch.setattr(decode, "_seconds", lambda runs: pytest.fail("timed"))
+    with mx.stream(mx.cpu):
+        for length in (1, 15, 16, 1000):
+            attention_step(1, length)
+    assert sorted(decode._CHOSEN.values()) == ["fold", "fold", "stock", "stock"]
+    assert len(calls) == 2
+
+
+def test_the_float32_reference_is_float32_on_every_device():
+    # TF32 (a GPU's float32 matmul by default) lands about 1e-3 away here.
+    q, x = (
+        mx.random.normal(shape, key=mx.random.key(i))
+        for i, shape in enumerate([(2, 20, 1, 512), (2, 1, 300, 512)])
+    )
+    got = decode.reference_attention(q, x, 0.1)
+    q64, x64 = (np.array(a, dtype=np.float64) for a in (q, x))
+    scores = 0.1 * q64[:, :, 0] @ x64[:, 0].transpose(0, 2, 1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    exact = (weights / weights.sum(-1, keepdims=True)) @ x64[:, 0]
+    assert got.dtype == mx.float32
+    assert np.abs(np.array(got)[:, :, 0] - exact).max() < 1e-5
+
+
+def test_timing_interleaves_the_paths_in_a_rotating_order(monkeypatch):
+    order = []
+
+    def run(name):
+        return lambda: order.append(name) or mx.array(0.0)
+
+    seconds = decode._seconds({n: run(n) for n in "abc"}, repeats=3)
+    assert order == list("abcbcacab") and sorted(seconds) == ["a", "b", "c"]

@@ -80,21 +80,49 @@ def test_the_kernel_attends_an_exact_latent_as_the_reference(kernel, dtype):
     q, x = queries(dtype=dtype), latent(dtype=dtype)
     got = kernel(q, x, 0.05)
     assert got.dtype == dtype and got.shape == q.shape
-    assert close(got, decode.latent_attention(q, x, 0.05), dtype)
+    assert close(got, decode.reference_attention(q, x, 0.05), dtype)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_the_kernel_reads_a_quantized_latent_from_its_bytes(kernel, bits):
     cache, x = packed_cache(bits)
     q = queries(dtype=mx.bfloat16)
-    expected = decode.latent_attention(q, x, 0.05, None, cache.latent_reader(x))
+    expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
     assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's loads")
+@pytest.mark.parametrize("bits, row_bytes", [(8, 512), (4, 256), (2, 128)])
+def test_aligned_quantized_rows_are_read_16_bytes_at_a_time(
+    kernel, emulator, bits, row_bytes
+):
+    cache, x = packed_cache(bits)
+    q = queries(dtype=mx.bfloat16)
+    expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
+    assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
+    # Each row of both sequences once, for the one group of 20 heads.
+    assert emulator.vector_loads == 2 * 150 * row_bytes // 16
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_unaligned_quantized_rows_are_read_a_byte_at_a_time(
+    kernel, emulator, monkeypatch, bits
+):
+    cache, x = packed_cache(bits)
+    keys, values, fmt = cache.latent_bytes(x)
+    # Rows an odd number of bytes apart, from an odd offset.
+    wider = mx.pad(keys, [(0, 0), (0, 0), (0, 0), (1, 0)])[..., 1:]
+    monkeypatch.setattr(emulator, "unaligned", True)
+    q = queries(dtype=mx.bfloat16)
+    expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
+    assert close(kernel(q, x, 0.05, None, (wider, values, fmt)), expected, x.dtype)
+    assert ON_CUDA or emulator.vector_loads == 0
 
 
 def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
     q, x = queries(), latent()
     mask = 3 * mx.random.normal((2, 20, 1, 150), key=mx.random.key(4))
-    expected = decode.latent_attention(q, x, 0.05, mask)
+    expected = decode.reference_attention(q, x, 0.05, mask)
     assert close(kernel(q, x, 0.05, mask), expected, mx.float32)
     assert not close(kernel(q, x, 0.05), expected, mx.float32)
 
@@ -103,15 +131,15 @@ def test_a_boolean_mask_leaves_the_padding_of_a_row_out(kernel):
     q, x = queries(), latent()
     mask = mx.array([[i >= 40 for i in range(150)], [True] * 150])[:, None, None]
     got = kernel(q, x, 0.05, mask)
-    assert close(got, decode.latent_attention(q, x, 0.05, mask), mx.float32)
-    alone = decode.latent_attention(q[:1], x[:1, :, 40:], 0.05)
+    assert close(got, decode.reference_attention(q, x, 0.05, mask), mx.float32)
+    alone = decode.reference_attention(q[:1], x[:1, :, 40:], 0.05)
     assert close(got[:1], alone, mx.float32)
 
 
 def test_heads_beyond_a_blocks_share_go_to_other_blocks(kernel):
     q, x = queries(H=64, D=128), latent(D=128)
     assert decode_cuda.heads_per_block(64) == 32
-    assert close(kernel(q, x, 0.1), decode.latent_attention(q, x, 0.1), mx.float32)
+    assert close(kernel(q, x, 0.1), decode.reference_attention(q, x, 0.1), mx.float32)
 
 
 @pytest.mark.parametrize("blocks", [1, 64])
@@ -124,7 +152,7 @@ def test_positions_split_across_blocks_combine_as_one_softmax(
     launch = decode_cuda.prepare(q, x, 0.05)
     tiles = math.ceil(150 / decode_cuda.TILE)
     assert launch["grid"][0] // launch["threadgroup"][0] == min(blocks, tiles)
-    assert close(kernel(q, x, 0.05), decode.latent_attention(q, x, 0.05), mx.float32)
+    assert close(kernel(q, x, 0.05), decode.reference_attention(q, x, 0.05), mx.float32)
 
 
 @pytest.mark.parametrize(
@@ -141,23 +169,28 @@ def test_steps_the_kernel_has_no_variant_for_are_left_to_the_reference(
     assert decode_cuda.prepare(q, x, 0.1, None, packed) is None
 
 
-class Measured(dict):
-    """``decode._KERNEL_FASTER`` as if every length had measured ``faster``."""
+@pytest.fixture
+def timed(monkeypatch):
+    """Steps choose their path by timing (the CPU's rule off), the timing
+    patched: ``seconds[path]`` is each path's time. Returns (seconds, the
+    path names timed together at each choice)."""
+    monkeypatch.delenv("MLX_LM_MLA_DECODE", raising=False)
+    for table in ("_CHOSEN", "_OFF", "_KERNEL_AGREES"):
+        monkeypatch.setattr(decode, table, {})
+    monkeypatch.setattr(decode, "rule", lambda key: None)
+    seconds, runs = {}, []
 
-    def __init__(self, faster):
-        super().__init__()
-        self.faster = faster
+    def measured(paths):
+        runs.append(sorted(paths))
+        return {name: seconds[name] for name in paths}
 
-    def __contains__(self, key):
-        return True
-
-    def __getitem__(self, key):
-        return self.faster
+    monkeypatch.setattr(decode, "_seconds", measured)
+    return seconds, runs
 
 
 @pytest.fixture
-def kernel_calls(kernel, monkeypatch):
-    """Decode steps may take the kernel path, checked and measured afresh;
+def kernel_calls(kernel, timed, monkeypatch):
+    """Decode steps may take the kernel path, checked and chosen afresh;
     returns its calls: whether each read a cache's bytes."""
     seen = []
 
@@ -167,15 +200,13 @@ def kernel_calls(kernel, monkeypatch):
 
     monkeypatch.setattr(decode_cuda, "available", lambda: True)
     monkeypatch.setattr(decode_cuda, "latent_attention", recording)
-    monkeypatch.setattr(decode, "_KERNEL_AGREES", {})
-    monkeypatch.setattr(decode, "_KERNEL_FASTER", {})
     return seen
 
 
 @pytest.fixture
-def through_the_kernel(kernel_calls, monkeypatch):
-    """Decode steps take the kernel path (as where it measured faster)."""
-    monkeypatch.setattr(decode, "_KERNEL_FASTER", Measured(True))
+def through_the_kernel(kernel_calls, timed):
+    """Decode steps take the kernel path (as where it measured fastest)."""
+    timed[0].update(kernel=1.0, fold=2.0, stock=3.0)
     return kernel_calls
 
 
@@ -183,42 +214,72 @@ def decode_logits(model, bits=None, prefill=90):
     return step_logits(model, TOKENS, prefill, bits)
 
 
-@pytest.fixture
-def timed(monkeypatch):
-    """``decode._seconds`` as measured: the kernel's ``seconds["kernel"]``, the
-    portable path's ``seconds["portable"]``; returns the runs it timed."""
-    seconds, runs = {}, []
-
-    def measured(run):
-        runs.append(run.__name__)
-        return seconds[run.__name__]
-
-    monkeypatch.setattr(decode, "_seconds", measured)
-    return seconds, runs
-
-
-def test_the_kernel_serves_a_length_only_where_it_measured_faster(
+def test_the_kernel_serves_no_step_where_it_measured_slower(
     installed, kernel_calls, timed, monkeypatch
 ):
-    # Steps at 121 to 140 positions: measured at 121 and again at 128.
+    # Steps at 121 to 140 positions: chosen at 121 and again at 128.
     seconds, runs = timed
-    seconds.update(kernel=2.0, portable=1.0)
+    seconds.update(kernel=2.0, fold=1.0, stock=3.0)
     model, _ = tiny.build_model("glm4_moe_lite")
     got = decode_logits(model, prefill=120)
-    assert sorted(runs) == ["kernel", "kernel", "portable", "portable"]
-    assert len(kernel_calls) == 1  # the check of the step's kind
+    assert runs == [["fold", "kernel", "stock"]] * 2
+    assert len(kernel_calls) == 1 + 2  # its check, then each choice's
     assert mx.array_equal(got, portable_logits(model, monkeypatch, prefill=120)).item()
 
 
-def test_a_kernel_measured_faster_serves_every_step_of_its_length(
+def test_a_kernel_measured_fastest_serves_every_step_of_its_length(
     installed, kernel_calls, timed
 ):
     seconds, runs = timed
-    seconds.update(kernel=1.0, portable=2.0)
+    seconds.update(kernel=1.0, fold=2.0, stock=3.0)
     model, _ = tiny.build_model("glm4_moe_lite")
     decode_logits(model, prefill=120)
-    assert len(runs) == 4
+    assert len(runs) == 2 and set(decode._CHOSEN.values()) == {"kernel"}
+    # Its check, then every step (the first of each length is the choice's).
     assert len(kernel_calls) == 1 + (len(TOKENS) - 120) * len(model.layers)
+
+
+def test_a_kernel_that_raises_at_a_later_step_is_turned_off_and_stock_serves(
+    installed, kernel_calls, timed, monkeypatch, caplog
+):
+    seconds, _ = timed
+    seconds.update(kernel=1.0, fold=2.0, stock=3.0)
+    working = decode_cuda.latent_attention
+
+    def breaking(*args):
+        if len(kernel_calls) >= 6:
+            raise RuntimeError("cuda: launch failed")
+        return working(*args)
+
+    monkeypatch.setattr(decode_cuda, "latent_attention", breaking)
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = decode_logits(model, prefill=120)
+    assert len(kernel_calls) == 6  # never called once it raised
+    assert "kernel off" in caplog.text and "launch failed" in caplog.text
+    assert "kernel" not in decode._CHOSEN.values()
+    mlx_lm_mla.uninstall()
+    expected = decode_logits(model, prefill=120)
+    mlx_lm_mla.install()
+    assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_forced_kernel_serves_every_step_unchecked_and_untimed(
+    installed, kernel_calls, timed, monkeypatch
+):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "kernel")
+    model, _ = tiny.build_model("glm4_moe_lite")
+    decode_logits(model, prefill=120)
+    assert timed[1] == [] and decode._CHOSEN == {} and decode._KERNEL_AGREES == {}
+    assert len(kernel_calls) == (len(TOKENS) - 120) * len(model.layers)
+
+
+def test_a_forced_kernel_without_a_variant_for_the_step_says_so(monkeypatch):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "kernel")
+    monkeypatch.setattr(decode_cuda, "available", lambda: True)
+    q, x = queries(D=48), latent(D=48)
+    with pytest.raises(NotImplementedError, match="kernel has no variant for"):
+        decode.attend(None, q, x, None, 0.1, None)
 
 
 QUANTIZED = (64, 4, 512, "bfloat16", 64, "bfloat16")
@@ -238,25 +299,54 @@ QUANTIZED = (64, 4, 512, "bfloat16", 64, "bfloat16")
 )
 def test_the_kernel_passes_its_check_on_each_kind_of_step(kernel, monkeypatch, kind):
     monkeypatch.setattr(decode_cuda, "latent_attention", kernel)
-    assert decode._kernel_agrees(kind)
+    assert decode.kernel_agrees(kind)
 
 
 def test_a_kernel_that_drops_the_mask_fails_its_check(kernel, monkeypatch):
     monkeypatch.setattr(decode_cuda, "latent_attention", lambda *a: kernel(*a[:3]))
-    assert not decode._kernel_agrees((20, 512, mx.bfloat16, QUANTIZED, mx.bfloat16))
+    assert not decode.kernel_agrees((20, 512, mx.bfloat16, QUANTIZED, mx.bfloat16))
+
+
+def test_the_check_runs_two_sequences_and_several_tiles_a_block(monkeypatch):
+    # At the real number of blocks: the launch is planned, never run.
+    seen = []
+
+    def planned(q, x, scale, mask, packed):
+        seen.append(decode_cuda.prepare(q, x, scale, mask, packed))
+        return None
+
+    monkeypatch.setattr(decode_cuda, "latent_attention", planned)
+    for kind in [
+        (20, 512, mx.bfloat16, QUANTIZED, mx.bfloat16),
+        (64, 512, mx.float32, mx.float32, None),
+    ]:
+        assert not decode.kernel_agrees(kind)
+    for launch in seen:
+        q, x = launch["inputs"][:2]
+        splits = launch["grid"][0] // launch["threadgroup"][0]
+        tiles = math.ceil(x.shape[2] / decode_cuda.TILE)
+        assert q.shape[0] == 2 and tiles / splits >= 3
+
+
+def test_a_kernel_wrong_beyond_the_first_sequence_fails_its_check(kernel, monkeypatch):
+    def first_only(*args):
+        out = kernel(*args)
+        return mx.concatenate([out[:1], mx.zeros_like(out[1:])])
+
+    monkeypatch.setattr(decode_cuda, "latent_attention", first_only)
+    assert not decode.kernel_agrees((20, 512, mx.bfloat16, mx.bfloat16, None))
 
 
 def test_a_row_whose_every_position_is_masked_attends_as_the_reference(kernel):
     q, x = queries(), latent()
     mask = mx.array([[False] * 150, [i % 3 == 0 for i in range(150)]])[:, None, None]
     got = kernel(q, x, 0.05, mask)
-    assert close(got, decode.latent_attention(q, x, 0.05, mask), mx.float32)
+    assert close(got, decode.reference_attention(q, x, 0.05, mask), mx.float32)
 
 
 def portable_logits(model, monkeypatch, **kwargs):
     with monkeypatch.context() as m:
-        m.setattr(decode_cuda, "ENABLED", False)
-        m.setattr(decode_cuda, "available", lambda: False)
+        m.setenv("MLX_LM_MLA_DECODE", "fold")
         return decode_logits(model, **kwargs)
 
 
@@ -292,10 +382,10 @@ def test_quantized_steps_through_the_kernel_read_the_bytes_as_the_portable_path(
     ids=["disagrees", "fails"],
 )
 def test_a_kernel_that_disagrees_or_fails_is_not_used(
-    installed, monkeypatch, caplog, broken
+    installed, timed, monkeypatch, caplog, broken
 ):
+    timed[0].update(kernel=1.0, fold=2.0, stock=3.0)
     monkeypatch.setattr(decode_cuda, "available", lambda: True)
-    monkeypatch.setattr(decode, "_KERNEL_AGREES", {})
     calls = []
     monkeypatch.setattr(
         decode_cuda, "latent_attention", lambda *a: calls.append(1) or broken(*a)
