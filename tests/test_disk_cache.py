@@ -398,12 +398,36 @@ def swap_two_layers_in_header(path):
     path.write_bytes(raw[:8] + header + raw[end:])
 
 
+def with_data_only_checksum(path):
+    """The file's checksum rewritten in the legacy data-only form (``crc32:``,
+    the CRC-32 of what follows the header), padded to the same header length."""
+    import re
+    import zlib
+
+    raw = path.read_bytes()
+    end = 8 + int.from_bytes(raw[:8], "little")
+    header = raw[8:end].decode()
+    [value] = re.findall(r'"(file-crc32:[0-9a-f]{8})"', header)
+    legacy = f'"crc32:{zlib.crc32(raw[end:]):08x}"'
+    header = header.replace(f'"{value}"', legacy.ljust(len(value) + 2))
+    path.write_bytes(raw[:8] + header.encode() + raw[end:])
+
+
+def swap_two_layers_with_a_legacy_checksum(path):
+    swap_two_layers_in_header(path)
+    with_data_only_checksum(path)
+
+
 DAMAGES = {
     "changed byte": (lambda path, key, tiers: flip_last_byte(path), "checksum"),
     "truncated": (lambda path, key, tiers: truncate(path), "truncated"),
     "two layers swapped in its header": (
         lambda path, key, tiers: swap_two_layers_in_header(path),
         "checksum",
+    ),
+    "two layers swapped, a data-only checksum written back": (
+        lambda path, key, tiers: swap_two_layers_with_a_legacy_checksum(path),
+        "checksum is not of the whole file",
     ),
     "another model's file": (
         lambda path, key, tiers: (
