@@ -598,6 +598,7 @@ def test_a_lower_bound_shrinks_the_folder_at_start(tiers, tmp_path, caplog):
     tier.close()
     with caplog.at_level(logging.INFO):
         smaller = tiers(max_bytes=int(size * 1.5))
+        smaller.flush()  # the writer's first job, once the server listens
     assert (
         tier_bytes(tmp_path / "caches") <= size * 1.5
         and len(cache_files(tmp_path / "caches")) == 1
@@ -611,7 +612,7 @@ def test_a_lower_bound_shrinks_the_folder_at_start(tiers, tmp_path, caplog):
         if "least recently used" in m
     ]
     assert len(deleted) == 2
-    tiers(max_bytes=1)
+    tiers(max_bytes=1).flush()
     assert cache_files(tmp_path / "caches") == []
 
 

@@ -17,6 +17,7 @@ from .fingerprint import FORMAT
 SUBFOLDER = "mlx-lm-mla-prompt-caches"
 MARKER = "mlx-lm-mla-caches.json"
 INDEX = "index.sqlite"
+ASIDE = f"{INDEX}.aside-"  # an index moved aside, its stamp, maybe a journal's tail
 SUFFIX = ".safetensors"
 _TEMP, _LOCK = "tmp-", "live-"
 _ID = 32  # hex digits of a process id and of a cache file's name
@@ -57,6 +58,19 @@ def lock_owner(name):
         if name.startswith(_LOCK) and name.endswith(".lock") and _hex(owner, _ID)
         else None
     )
+
+
+def aside_stamp(name):
+    """The stamp of an index moved aside (or of its journal), or None."""
+    if not name.startswith(ASIDE):
+        return None
+    stamp = name[len(ASIDE) :]
+    for tail in ("-journal", "-wal", "-shm"):
+        stamp = stamp.removesuffix(tail)
+    day, _, rest = stamp.partition("T")
+    clock, _, code = rest.partition("-")
+    ok = day.isdigit() and len(day) == 8 and clock.isdigit() and len(clock) == 6
+    return stamp if ok and _hex(code, 6) else None
 
 
 def is_regular(path):

@@ -20,7 +20,9 @@ from . import cachefile
 from . import index as rows
 from .fingerprint import cache_digest, model_digest
 from .folder import (
+    ASIDE,
     Presence,
+    aside_stamp,
     alive,
     cache_name,
     is_cache_name,
@@ -57,7 +59,9 @@ def _token_bytes(tokens):
 def unlink(folder, name, why, level=logging.INFO):
     """Deletes one of the tier's own plain files, logged with ``why``."""
     path = folder / name
-    own = is_cache_name(name) or temp_owner(name) or lock_owner(name)
+    own = (
+        is_cache_name(name) or temp_owner(name) or lock_owner(name) or aside_stamp(name)
+    )
     if not own or os.path.basename(name) != name:
         logger.warning(
             "mlx-lm-mla: the index names %r, not a file of the tier; nothing deleted",
@@ -82,7 +86,15 @@ def open_index(folder, index):
     why = index.problem()
     if why is None:
         return
+    if why == rows.PREVIOUS:
+        index.migrate()
+        logger.info(
+            "mlx-lm-mla: the index of %s was brought to schema %s", folder, rows.SCHEMA
+        )
+        return
     aside = index.move_aside()  # with a journal of its own, where one is left
+    if aside:
+        keep_one_aside(folder, aside)
     index.create()
     with index.transaction() as db:
         found = [n for n in sorted(os.listdir(folder)) if is_cache_name(n)]
@@ -102,6 +114,25 @@ def open_index(folder, index):
             folder,
             adopted,
         )
+
+
+def keep_one_aside(folder, newest):
+    """Deletes the indexes moved aside before ``newest``: one is kept to look
+    into, and it counts toward the bound."""
+    for name in sorted(os.listdir(folder)):
+        stamp = aside_stamp(name)
+        if stamp and stamp != newest[len(ASIDE) :]:
+            unlink(folder, name, "an older index moved aside; the newest is kept")
+
+
+def aside_bytes(folder):
+    """Bytes of the indexes moved aside (and of their journals)."""
+    total = 0
+    for name in os.listdir(folder):
+        if aside_stamp(name) and is_regular(folder / name):
+            with contextlib.suppress(OSError):
+                total += os.lstat(folder / name).st_size
+    return total
 
 
 def adopt(folder, db, name):
@@ -138,6 +169,10 @@ def sweep(folder, db, presence):
     missing files) and indexes files whose row was not committed. Call in
     maintenance, inside a write transaction."""
     known = set(rows.names(db))
+    asides = sorted({aside_stamp(n) for n in os.listdir(folder)} - {None})
+    if len(asides) > 1:
+        keep_one_aside(folder, ASIDE + asides[-1])
+    rows.set_aside_bytes(db, aside_bytes(folder))
     for name in sorted(os.listdir(folder)):
         owner = temp_owner(name) or lock_owner(name)
         if owner and owner != presence.id and not alive(folder, owner):
@@ -172,16 +207,13 @@ def sweep(folder, db, presence):
 
 
 def evict(db, max_bytes, room=0):
-    """Removes least recently used rows until the files, those being written and
-    ``room`` fit in ``max_bytes``; returns their names, to delete once committed."""
-    gone = []
-    while rows.total_bytes(db) + room > max_bytes:
-        name = rows.oldest(db)
-        if name is None:
-            break
-        rows.remove(db, name)
-        gone.append(name)
-    return gone
+    """Removes least recently used rows, in one statement, until the files, those
+    being written, the index moved aside and ``room`` fit in ``max_bytes``;
+    returns their names, to delete once committed."""
+    ids, names = rows.least_used(db, rows.total_bytes(db) + room - max_bytes)
+    if ids:
+        rows.remove_ids(db, ids)
+    return names
 
 
 class DiskTier:
@@ -217,15 +249,15 @@ class DiskTier:
             try:
                 with self.index.transaction() as db:
                     sweep(self.folder, db, self.presence)
-                    gone = evict(db, self.max_bytes)
             except BaseException:
                 self.presence.release()
                 raise
-        for name in gone:
-            unlink(self.folder, name, EVICTED)
         self._pending, self._writes, self._lock = pending, 0, threading.Lock()
         self._closing = False
         self._queue = queue.Queue()
+        # A bound lowered since the last start: the writer's first job, so a
+        # large eviction never keeps the server from listening.
+        self._queue.put(("shrink",))
         self._writer = threading.Thread(
             target=self._write_loop, name="mlx-lm-mla disk tier", daemon=True
         )
@@ -460,6 +492,12 @@ class DiskTier:
             raise
         for old in gone:
             unlink(self.folder, old, "a newer file holds its tokens and more")
+
+    def _shrink(self):
+        with self.index.transaction() as db:
+            gone = evict(db, self.max_bytes)
+        for name in gone:
+            unlink(self.folder, name, EVICTED)
 
     def _touch(self, name):
         self.index.db.execute(
