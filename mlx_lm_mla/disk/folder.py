@@ -20,6 +20,8 @@ INDEX = "index.sqlite"
 ASIDE = f"{INDEX}.aside-"  # an index moved aside, its stamp, maybe a journal's tail
 SUFFIX = ".safetensors"
 _TEMP, _LOCK = "tmp-", "live-"
+TRANSIENT = (_TEMP, _LOCK)  # how the names of temporary files and locks start
+_DIGITS = string.hexdigits[:16]
 _ID = 32  # hex digits of a process id and of a cache file's name
 
 
@@ -28,7 +30,7 @@ class NotOurs(Exception):
 
 
 def _hex(text, n):
-    return len(text) == n and all(c in string.hexdigits[:16] for c in text)
+    return len(text) == n and not text.strip(_DIGITS)  # in C: every start, every file
 
 
 def cache_name(digest):

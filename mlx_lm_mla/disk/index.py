@@ -157,9 +157,12 @@ class Index:
             return "missing"
         self.set_journal_aside()
         try:
-            check = self.db.execute("PRAGMA quick_check").fetchall()
-            if check != [("ok",)]:
-                return f"damaged ({check[0][0]})"
+            # Not a whole quick_check: it reads every page (0.3 s at 10,000
+            # rows). A damaged page found later sets the index aside then.
+            pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+            page_size = self.db.execute("PRAGMA page_size").fetchone()[0]
+            if pages * page_size > info.st_size:
+                return f"damaged (truncated to {info.st_size} of {pages * page_size} bytes)"
             if not self.db.execute(
                 "SELECT 1 FROM sqlite_master WHERE name = 'meta'"
             ).fetchone():
@@ -171,6 +174,8 @@ class Index:
             self.close()
         if found.get("format") != FORMAT:
             return f"of another format ({found.get('format')})"
+        if "damaged" in found:
+            return f"damaged (found while serving: {found['damaged']})"
         if "schema" not in found:
             return PREVIOUS
         return None if found["schema"] == SCHEMA else f"of schema {found['schema']}"

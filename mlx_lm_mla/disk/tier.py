@@ -3,6 +3,7 @@ background, found again by their tokens' block hashes, evicted least recently
 used past the folder's bound. Opening the folder repairs what a crash left."""
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -21,6 +22,8 @@ from . import index as rows
 from .fingerprint import cache_digest, model_digest
 from .folder import (
     ASIDE,
+    INDEX,
+    TRANSIENT,
     Presence,
     aside_stamp,
     alive,
@@ -125,10 +128,10 @@ def keep_one_aside(folder, newest):
             unlink(folder, name, "an older index moved aside; the newest is kept")
 
 
-def aside_bytes(folder):
+def aside_bytes(folder, names=None):
     """Bytes of the indexes moved aside (and of their journals)."""
     total = 0
-    for name in os.listdir(folder):
+    for name in os.listdir(folder) if names is None else names:
         if aside_stamp(name) and is_regular(folder / name):
             with contextlib.suppress(OSError):
                 total += os.lstat(folder / name).st_size
@@ -167,13 +170,19 @@ def file_name(model_digest, cache_digest, tokens):
 def sweep(folder, db, presence):
     """Removes what a crash can leave (files and locks of gone processes, rows of
     missing files) and indexes files whose row was not committed. Call in
-    maintenance, inside a write transaction."""
+    maintenance, inside a write transaction. One listing of the folder and the
+    index's names (from its own index), compared as sets: no row is read, and
+    only the few names that differ are looked at one by one."""
     known = set(rows.names(db))
-    asides = sorted({aside_stamp(n) for n in os.listdir(folder)} - {None})
+    with os.scandir(folder) as listing:
+        found = {e.name: e.is_file(follow_symlinks=False) for e in listing}
+    asides = sorted({aside_stamp(n) for n in found if n.startswith(ASIDE)} - {None})
     if len(asides) > 1:
         keep_one_aside(folder, ASIDE + asides[-1])
-    rows.set_aside_bytes(db, aside_bytes(folder))
-    for name in sorted(os.listdir(folder)):
+    rows.set_aside_bytes(
+        db, aside_bytes(folder, [n for n in found if n.startswith(ASIDE)])
+    )
+    for name in sorted(n for n in found if n.startswith(TRANSIENT)):
         owner = temp_owner(name) or lock_owner(name)
         if owner and owner != presence.id and not alive(folder, owner):
             why = (
@@ -184,12 +193,14 @@ def sweep(folder, db, presence):
             unlink(
                 folder, name, why, logging.WARNING if temp_owner(name) else logging.INFO
             )
-        elif is_cache_name(name) and name not in known:
+    for name in sorted(found.keys() - known):
+        if is_cache_name(name):
             adopt(folder, db, name)
     for name, owner in rows.pending(db):
         if owner != presence.id and not alive(folder, owner):
             db.execute("DELETE FROM pending WHERE name = ?", (name,))
-    for name in known:
+    regular = {n for n, is_file in found.items() if is_file}
+    for name in sorted(known - regular):
         if not is_cache_name(name):
             logger.warning(
                 "mlx-lm-mla: the index of %s names %r, not a file of the tier; "
@@ -197,13 +208,12 @@ def sweep(folder, db, presence):
                 folder,
                 name,
             )
-            rows.remove(db, name)
-        elif not is_regular(folder / name):
+        else:
             logger.warning(
                 "mlx-lm-mla: %s is missing or not a regular file; its row is removed",
                 folder / name,
             )
-            rows.remove(db, name)
+        rows.remove(db, name)
 
 
 def evict(db, max_bytes, room=0):
@@ -214,6 +224,27 @@ def evict(db, max_bytes, room=0):
     if ids:
         rows.remove_ids(db, ids)
     return names
+
+
+def full(error):
+    """Whether an error is a full disk (or quota), from SQLite or the system."""
+    if isinstance(error, sqlite3.Error):
+        return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or (
+            "disk is full" in str(error)
+        )
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def unwritten(job):
+    """What a writer's job that failed leaves undone, in words."""
+    if job[0] == "write":
+        return f"a prompt cache of {len(job[3]) // 4} tokens (it stays in RAM only)"
+    return {
+        "touch": "the time a cache file was last used",
+        "delete": f"the removal of the index row of {job[1]}",
+        "changed": "the removal of the caches of a model whose files changed",
+        "shrink": "the eviction down to the bound at start",
+    }.get(job[0], job[0])
 
 
 class DiskTier:
@@ -410,8 +441,22 @@ class DiskTier:
                     return
                 if not self.off:
                     getattr(self, f"_{job[0]}")(*job[1:])
-            except sqlite3.DatabaseError as e:
-                if isinstance(e, sqlite3.OperationalError):  # locked, full, read-only
+            except (sqlite3.DatabaseError, OSError) as e:
+                if full(e):
+                    self._warn(
+                        ("full", job[0]),
+                        "mlx-lm-mla: the disk of %s is full: %s was not written",
+                        self.folder,
+                        unwritten(job),
+                    )
+                elif isinstance(e, OSError):
+                    self._warn(
+                        ("write", type(e)),
+                        "mlx-lm-mla: could not write a prompt cache to %s: %s",
+                        self.folder,
+                        e,
+                    )
+                elif isinstance(e, sqlite3.OperationalError):  # locked, read-only
                     self._warn(
                         ("index", job[0]),
                         "mlx-lm-mla: could not update the index of %s: %s",
@@ -419,12 +464,7 @@ class DiskTier:
                         e,
                     )
                 else:
-                    self.off = (
-                        f"its index is damaged ({e}); the next start builds it again"
-                    )
-                    logger.warning(
-                        "mlx-lm-mla: prompt caches on disk are off: %s", self.off
-                    )
+                    self._damaged(e)
             except Exception as e:
                 self._warn(
                     ("write", type(e)),
@@ -492,6 +532,22 @@ class DiskTier:
             raise
         for old in gone:
             unlink(self.folder, old, "a newer file holds its tokens and more")
+
+    def _damaged(self, error):
+        """Off for this server; the index marked for the next start to rebuild
+        (a start reads no page it does not need, so it would not see it)."""
+        self.off = f"its index is damaged ({error}); the next start builds it again"
+        try:
+            with self.index.transaction() as db:
+                db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('damaged', ?)", (str(error),)
+                )
+        except sqlite3.Error:
+            self.off = (
+                f"its index is damaged ({error}); delete {self.folder / INDEX} and "
+                "the next start builds it again"
+            )
+        logger.warning("mlx-lm-mla: prompt caches on disk are off: %s", self.off)
 
     def _shrink(self):
         with self.index.transaction() as db:
