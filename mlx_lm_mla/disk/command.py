@@ -13,6 +13,7 @@ from .folder import (
     MARKER,
     NotOurs,
     Presence,
+    aside_stamp,
     is_cache_name,
     is_regular,
     lock_owner,
@@ -35,8 +36,9 @@ def _size(n):
 
 
 def _files(folder):
-    """(cache files, temporary files, other names) in the folder, with bytes."""
-    caches, temps, other = [], [], []
+    """(cache files, temporary files, indexes moved aside by name, other names)
+    in the folder, with bytes."""
+    caches, temps, asides, other = [], [], {}, []
     for name in sorted(os.listdir(folder)):
         path = folder / name
         size = os.lstat(path).st_size
@@ -44,17 +46,25 @@ def _files(folder):
             caches.append(size)
         elif temp_owner(name) and is_regular(path):
             temps.append(size)
+        elif aside_stamp(name) and is_regular(path):
+            asides[name] = size
         elif not (lock_owner(name) or name == MARKER or name.startswith(INDEX)):
             other.append(name)
-    return caches, temps, other
+    return caches, temps, asides, other
 
 
 def stats(directory, out=None):
     """Prints what the tier's folder in ``directory`` holds; writes nothing."""
     out = out or sys.stdout
     folder = open_folder(directory, create=False)
-    caches, temps, other = _files(folder)
+    caches, temps, asides, other = _files(folder)
     print(f"{folder}: {len(caches)} cache files, {_size(sum(caches))}", file=out)
+    if asides:
+        print(
+            f"  index moved aside: {', '.join(asides)}, {_size(sum(asides.values()))} "
+            "(counted toward the bound; `clear` deletes it)",
+            file=out,
+        )
     if temps:
         print(
             f"  being written (or left by a crash): {len(temps)} temporary files, "
@@ -100,17 +110,29 @@ def clear(directory, out=None):
             with index.transaction() as db:
                 sweep(folder, db, presence)
                 names = rows.names(db)
-                for name in names:
-                    rows.remove(db, name)
+                db.execute("DELETE FROM entries")
+                rows.set_aside_bytes(db, 0)
         finally:
             presence.release()
+        asides = _files(folder)[2]
+        for name in asides:
+            unlink(folder, name, "mlx-lm-mla cache-dir clear")
     freed = 0
     for name in names:
         size = os.lstat(folder / name).st_size if is_regular(folder / name) else 0
         if unlink(folder, name, "mlx-lm-mla cache-dir clear"):
             freed += size
     index.close()
-    print(f"{folder}: deleted {len(names)} cache files, {_size(freed)}", file=out)
+    moved = len({aside_stamp(name) for name in asides})
+    print(
+        f"{folder}: deleted {len(names)} cache files, {_size(freed)}"
+        + (
+            f", and {moved} index moved aside, {_size(sum(asides.values()))}"
+            if moved
+            else ""
+        ),
+        file=out,
+    )
 
 
 def main(argv=None):

@@ -510,11 +510,11 @@ class DiskTier:
             )
         for old in evicted:
             unlink(self.folder, old, EVICTED)
+        renamed = False
         try:
             cachefile.write(self.folder / temp, cache, metadata)
             with self.index.transaction() as db:
                 db.execute("DELETE FROM pending WHERE name = ?", (temp,))
-                os.replace(self.folder / temp, self.folder / name)
                 rows.add(db, name, record, blob, size)
                 # As in RAM: a trimmable cache makes the ones of its prefixes redundant.
                 gone = (
@@ -524,9 +524,15 @@ class DiskTier:
                 )
                 for old in gone:
                     rows.remove(db, old)
+                os.replace(self.folder / temp, self.folder / name)
+                renamed = True
         except BaseException:
             if os.path.lexists(self.folder / temp):
                 unlink(self.folder, temp, "its write failed")
+            elif renamed:
+                with contextlib.suppress(sqlite3.Error):
+                    if not self.index.has(name):  # its row was not committed
+                        unlink(self.folder, name, "its index row could not be written")
             with contextlib.suppress(sqlite3.Error), self.index.transaction() as db:
                 db.execute("DELETE FROM pending WHERE name = ?", (temp,))
             raise

@@ -1,0 +1,271 @@
+"""The disk tier's index at many files: a size is read without reading a row,
+an eviction is one statement run after the start, an index of the previous
+schema is migrated; what the tier leaves beside it (an index moved aside, a
+stray journal) and a full disk."""
+
+import logging
+import os
+import sqlite3
+import threading
+
+import pytest
+from disk_child import prompt, random_cache
+from test_disk_cache import (
+    cache_files,
+    caches,
+    consistent,
+    fake_model,
+    rows,
+    stored,
+    tiers,  # noqa: F401 (a fixture)
+    warnings_of,
+)
+
+from mlx_lm_mla.__main__ import main as mlx_lm_mla_main
+from mlx_lm_mla.disk.folder import INDEX
+
+
+@pytest.fixture
+def statements(monkeypatch):
+    """(statement, thread name) of every SQL statement any connection runs from
+    now on (Python traces a statement again as each trigger it fires starts)."""
+    seen, real = [], sqlite3.connect
+
+    def connect(*args, **kwargs):
+        db = real(*args, **kwargs)
+        db.set_trace_callback(
+            lambda sql: (
+                sql.startswith("--")
+                or seen.append((sql, threading.current_thread().name))
+            )
+        )
+        return db
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    return seen
+
+
+def plans(folder, seen):
+    """The query plan of each statement seen, as run on the folder's index."""
+    db = sqlite3.connect(
+        f"file:{caches(folder) / INDEX}?mode=ro", uri=True, isolation_level=None
+    )
+    try:
+        out = {}
+        for sql, _ in seen:
+            if sql.split()[0].upper() in ("SELECT", "INSERT", "UPDATE", "DELETE"):
+                out[sql] = [r[3] for r in db.execute(f"EXPLAIN QUERY PLAN {sql}")]
+        return out
+    finally:
+        db.close()
+
+
+def test_no_write_and_no_start_reads_every_row_of_the_index(
+    tiers, tmp_path, statements
+):
+    key = fake_model(tmp_path / "model")
+    size = stored(tiers, key, folder=tmp_path / "probe").total_bytes()
+    tier = tiers(max_bytes=int(size * 2.5))
+    for start in range(4):  # the last two each evict one
+        tier.store(key, prompt(300, start), random_cache(300, seed=start))
+        tier.flush()
+    tier.close()
+    tiers(max_bytes=int(size * 1.5)).flush()  # a start that evicts
+    scans = {
+        sql: plan
+        for sql, plan in plans(tmp_path / "caches", statements).items()
+        if "SCAN entries" in plan  # the whole table, tokens and all
+    }
+    assert scans == {} and len(cache_files(tmp_path / "caches")) == 1
+
+
+def test_the_size_of_the_folder_is_kept_with_every_change(tiers, tmp_path):
+    key = fake_model(tmp_path / "model")
+    size = stored(tiers, key, folder=tmp_path / "probe").total_bytes()
+    tier = tiers(max_bytes=int(size * 2.5))
+    for n, start in ((300, 0), (300, 1), (200, 2), (300, 2), (300, 3)):
+        tier.store(key, prompt(n, start), random_cache(n, seed=start))
+        tier.flush()
+        on_disk = sum(p.stat().st_size for p in cache_files(tmp_path / "caches"))
+        assert tier.total_bytes() == on_disk <= size * 2.5
+
+
+def test_an_eviction_at_start_is_one_statement_on_the_writers_thread(
+    tiers, tmp_path, statements
+):
+    key = fake_model(tmp_path / "model")
+    tier = tiers()
+    for start in range(5):
+        tier.store(key, prompt(300, start), random_cache(300, seed=start))
+        tier.flush()
+    size = tier.total_bytes() // 5
+    tier.close()
+    statements.clear()
+    opened = threading.current_thread().name
+    smaller = tiers(max_bytes=int(size * 1.5))
+    smaller.flush()
+    # Distinct: a statement is traced again as each of its triggers starts.
+    deletes = {
+        (sql, thread)
+        for sql, thread in statements
+        if sql.upper().startswith("DELETE FROM ENTRIES")
+    }
+    [(_, thread)] = deletes
+    assert thread != opened
+    assert len(cache_files(tmp_path / "caches")) == 1 and consistent(
+        tmp_path / "caches"
+    )
+    assert smaller.restore(key, prompt(300, 4) + [5], 0) is not None
+
+
+def to_previous_schema(path):
+    """The index as the tier before schema 2 made it: no totals, no triggers,
+    no index of blocks by row, order of use alone."""
+    with sqlite3.connect(path, isolation_level=None) as db:
+        for statement in (
+            "DROP TRIGGER entries_added",
+            "DROP TRIGGER entries_removed",
+            "DROP TRIGGER entries_resized",
+            "DROP TABLE totals",
+            "DROP INDEX blocks_by_entry",
+            "DROP INDEX entries_by_use",
+            "CREATE INDEX entries_by_use ON entries (last_used)",
+            "DELETE FROM meta WHERE key = 'schema'",
+        ):
+            db.execute(statement)
+    db.close()
+
+
+def test_an_index_of_the_previous_schema_is_migrated_not_rebuilt(
+    tiers, tmp_path, caplog
+):
+    key = fake_model(tmp_path / "model")
+    tier = tiers()
+    for start in range(3):
+        tier.store(key, prompt(300, start), random_cache(300, seed=start))
+        tier.flush()
+    size = tier.total_bytes() // 3
+    tier.close()
+    to_previous_schema(caches(tmp_path / "caches") / INDEX)
+    with caplog.at_level(logging.INFO):
+        tier = tiers(max_bytes=int(size * 2.5))
+        tier.flush()
+    assert warnings_of(caplog) == []
+    assert any("brought to schema 2" in r.getMessage() for r in caplog.records)
+    assert not list(caches(tmp_path / "caches").glob(f"{INDEX}.aside-*"))
+    assert tier.total_bytes() == 2 * size and len(rows(tmp_path / "caches")) == 2
+    assert tier.restore(key, prompt(300, 2) + [5], 0) is not None
+    with sqlite3.connect(caches(tmp_path / "caches") / INDEX) as db:
+        [(blocks,)] = db.execute("SELECT COUNT(*) FROM blocks").fetchall()
+    db.close()
+    assert blocks == 2 * (300 // 64)  # the evicted row's blocks went with it
+
+
+# --- what lies beside the index ------------------------------------------------
+
+
+def damage_and_start(tiers, folder):
+    (caches(folder) / INDEX).write_bytes(os.urandom(8192))
+    return tiers()
+
+
+def asides(folder):
+    return sorted(p.name for p in caches(folder).glob(f"{INDEX}.aside-*"))
+
+
+def test_one_index_moved_aside_is_kept_and_counts_toward_the_bound(tiers, tmp_path):
+    key = fake_model(tmp_path / "model")
+    folder = tmp_path / "caches"
+    stored(tiers, key).close()
+    file_bytes = sum(p.stat().st_size for p in cache_files(folder))
+    for _ in range(3):
+        damage_and_start(tiers, folder).close()
+    assert len(asides(folder)) == 1
+    tier = tiers()
+    assert tier.total_bytes() == file_bytes + 8192  # the random "index" aside
+    assert tier.restore(key, prompt(300, 0) + [5], 0) is not None
+
+
+def test_cache_dir_stats_shows_the_index_moved_aside_and_clear_deletes_it(
+    tiers, tmp_path, capsys
+):
+    key = fake_model(tmp_path / "model")
+    folder = tmp_path / "caches"
+    stored(tiers, key).close()
+    damage_and_start(tiers, folder).close()
+    [aside] = asides(folder)
+    capsys.readouterr()
+    assert mlx_lm_mla_main(["cache-dir", "stats", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"index moved aside: {aside}, 8.0 KiB" in out
+    assert "not the tier's" not in out
+    assert mlx_lm_mla_main(["cache-dir", "clear", str(folder)]) == 0
+    assert asides(folder) == [] and cache_files(folder) == []
+    assert "1 index moved aside" in capsys.readouterr().out
+
+
+def directory(path):
+    path.mkdir()
+    (path / "x").write_text("?")
+
+
+STRAY_JOURNALS = {
+    "a directory": directory,
+    "a link to nowhere": lambda path: path.symlink_to(path.parent / "nowhere"),
+    "a link to a file": lambda path: path.symlink_to(path.parent.parent / "elsewhere"),
+    "a file of junk": lambda path: path.write_bytes(os.urandom(4096)),
+    "an empty file": lambda path: path.write_bytes(b""),
+}
+
+
+@pytest.mark.parametrize("stray", STRAY_JOURNALS)
+def test_a_stray_journal_never_makes_a_healthy_index_be_rebuilt(
+    stray, tiers, tmp_path, caplog
+):
+    key = fake_model(tmp_path / "model")
+    folder = tmp_path / "caches"
+    (tmp_path / "elsewhere").write_text("not the tier's")
+    stored(tiers, key).close()
+    index = caches(folder) / INDEX
+    before = index.stat().st_ino
+    STRAY_JOURNALS[stray](caches(folder) / f"{INDEX}-journal")
+    with caplog.at_level(logging.WARNING):
+        tier = tiers()
+        assert tier.restore(key, prompt(300, 0) + [5], 0) is not None
+        tier.store(key, prompt(300, 1), random_cache(300, seed=1))
+        tier.flush()
+    assert index.stat().st_ino == before and len(rows(folder)) == 2
+    assert not any("built again" in w for w in warnings_of(caplog))
+    assert [a for a in asides(folder) if not a.endswith("-journal")] == []
+    if stray in ("a directory", "a link to nowhere", "a link to a file"):
+        [warning] = warnings_of(caplog)
+        assert f"{INDEX}-journal was not a journal of the index" in warning
+        assert "the index is kept" in warning
+    assert (tmp_path / "elsewhere").read_text() == "not the tier's"
+
+
+# --- a full disk -----------------------------------------------------------------
+
+
+def test_a_full_disk_is_logged_as_full_with_what_was_not_written(
+    tiers, tmp_path, monkeypatch, caplog
+):
+    key = fake_model(tmp_path / "model")
+    stored(tiers, key).close()
+    real = sqlite3.connect
+
+    def connect(*args, **kwargs):  # SQLite's own "database or disk is full"
+        db = real(*args, **kwargs)
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count = {pages}")
+        return db
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    with caplog.at_level(logging.WARNING):
+        tier = tiers()
+        tier.store(key, prompt(3000, 1), random_cache(3000, seed=1))
+        tier.flush()
+    [warning] = warnings_of(caplog)
+    assert "is full: a prompt cache of 3000 tokens" in warning
+    assert "was not written" in warning and "rollback" not in warning
+    assert len(rows(tmp_path / "caches")) == 1 and consistent(tmp_path / "caches")
