@@ -386,9 +386,9 @@ def set_aside_bytes(db, nbytes):
     db.execute("UPDATE totals SET bytes = ? WHERE what = 'aside'", (nbytes,))
 
 
-def least_used(db, nbytes):
+def least_used(db, nbytes, most=None):
     """(ids, names) of the least recently used files that hold ``nbytes`` bytes
-    together, read in order of use until they do."""
+    together (``most`` files at most), read in order of use until they do."""
     ids, names, freed = [], [], 0
     if nbytes <= 0:
         return ids, names
@@ -398,7 +398,7 @@ def least_used(db, nbytes):
         ids.append(entry)
         names.append(name)
         freed += size
-        if freed >= nbytes:
+        if freed >= nbytes or len(ids) == most:
             break
     return ids, names
 

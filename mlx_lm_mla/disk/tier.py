@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 256
 EVICTED = "least recently used, the folder was over its bound"
+SHRINK_STEP = 512  # files evicted in one transaction at start
 
 
 def _common(a, b):
@@ -556,10 +557,19 @@ class DiskTier:
         logger.warning("mlx-lm-mla: prompt caches on disk are off: %s", self.off)
 
     def _shrink(self):
-        with self.index.transaction() as db:
-            gone = evict(db, self.max_bytes)
-        for name in gone:
-            unlink(self.folder, name, EVICTED)
+        """Evicts down to the bound in steps of at most ``SHRINK_STEP`` files, so
+        no other server's write waits long on the index's lock; a server that
+        stops leaves the rest to the next start."""
+        while True:
+            with self.index.transaction() as db:
+                excess = rows.total_bytes(db) - self.max_bytes
+                ids, gone = rows.least_used(db, excess, SHRINK_STEP)
+                if ids:
+                    rows.remove_ids(db, ids)
+            for name in gone:
+                unlink(self.folder, name, EVICTED)
+            if len(ids) < SHRINK_STEP or self._closing:
+                return
 
     def _touch(self, name):
         self.index.db.execute(
