@@ -3,18 +3,24 @@ an eviction is one statement run after the start, an index of the previous
 schema is migrated; what the tier leaves beside it (an index moved aside, a
 stray journal) and a full disk."""
 
+import contextlib
 import logging
 import os
+import signal
 import sqlite3
+import subprocess
 import threading
 
 import pytest
 from disk_child import prompt, random_cache
+from serving import SYSTEM, Server, cached_tokens
 from test_disk_cache import (
+    answer,
     cache_files,
     caches,
     consistent,
     fake_model,
+    model_path,  # noqa: F401 (a fixture)
     rows,
     stored,
     tiers,  # noqa: F401 (a fixture)
@@ -269,3 +275,69 @@ def test_a_full_disk_is_logged_as_full_with_what_was_not_written(
     assert "is full: a prompt cache of 3000 tokens" in warning
     assert "was not written" in warning and "rollback" not in warning
     assert len(rows(tmp_path / "caches")) == 1 and consistent(tmp_path / "caches")
+
+
+# --- a folder that cannot be written ---------------------------------------------
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """``path`` made a folder no file can be added to or removed from: its mode,
+    and for root (whom modes do not stop) the immutable attribute."""
+    mode = path.stat().st_mode
+    path.chmod(0o500)
+    immutable = os.geteuid() == 0
+    if immutable:
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+    try:
+        assert not os.access(path, os.W_OK)
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        path.chmod(mode)
+
+
+def contents(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_folder_that_cannot_be_written_is_served_read_only(model_path, tmp_path):
+    folder = tmp_path / "caches"
+    first = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is a trie?"},
+    ]
+    with Server(model_path, "--prompt-cache-dir", folder) as server:
+        reply, _ = answer(server.port, first)
+    turn = first + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And a heap?"},
+    ]
+    before = contents(caches(folder))
+    log = tmp_path / "log"
+    with read_only(caches(folder)):
+        with Server(model_path, "--prompt-cache-dir", folder, log=log) as server:
+            _, usage = answer(server.port, turn)
+            answer(server.port, turn + [{"role": "user", "content": "More."}])
+        assert server.proc.returncode == -signal.SIGTERM
+        assert contents(caches(folder)) == before  # nothing written or deleted
+    assert cached_tokens(usage) >= len(SYSTEM) + len(reply)  # restored from disk
+    text = log.read_text()
+    assert text.count("cannot be written") == 1, text
+    assert "its prompt caches are restored, none is written" in text
+
+
+def test_a_folder_that_cannot_be_made_starts_the_server_without_the_tier(
+    model_path, tmp_path
+):
+    parent = tmp_path / "caches"
+    parent.mkdir()
+    log = tmp_path / "log"
+    with read_only(parent):
+        with Server(model_path, "--prompt-cache-dir", parent, log=log) as server:
+            answer(server.port, [{"role": "user", "content": "What is a trie?"}])
+        assert os.listdir(parent) == []
+    text = log.read_text()
+    assert text.count("prompt caches on disk are off") == 1, text
+    assert "cannot make" in text

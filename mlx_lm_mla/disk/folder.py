@@ -4,6 +4,7 @@ a random id its temporary files carry, so they are known live or dead whatever
 PIDs later processes get (a container's PID 1 is every run's)."""
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -27,6 +28,10 @@ _ID = 32  # hex digits of a process id and of a cache file's name
 
 class NotOurs(Exception):
     """A folder the tier cannot use, and why."""
+
+
+class Unwritable(NotOurs):
+    """A folder the tier cannot make: the server starts without the tier."""
 
 
 def _hex(text, n):
@@ -118,7 +123,12 @@ def open_folder(directory, create=True):
     except FileNotFoundError:
         raise NotOurs(f"{folder} does not exist")
     except OSError as e:
-        raise NotOurs(f"cannot make {folder}: {e.strerror or e}")
+        kind = (
+            Unwritable
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+            else NotOurs
+        )
+        raise kind(f"cannot make {folder}: {e.strerror or e}")
     if not stat.S_ISDIR(mode):
         raise NotOurs(
             f"{folder} is not a directory of the tier; move it or choose another folder"
@@ -140,9 +150,7 @@ def open_folder(directory, create=True):
             f"mlx-lm-mla (format {found}, this one reads {FORMAT}); "
             "delete that folder or choose another"
         )
-    if create and not os.access(folder, os.W_OK | os.X_OK):
-        raise NotOurs(f"{folder} is not writable")
-    return folder
+    return folder  # written to or not: the tier reads one it cannot write
 
 
 def _write_marker(path):

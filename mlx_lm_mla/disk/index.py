@@ -13,6 +13,7 @@ import stat
 import threading
 import time
 import uuid
+from urllib.parse import quote
 
 from .fingerprint import FORMAT
 from .folder import ASIDE, INDEX
@@ -115,9 +116,9 @@ class Index:
     """The index of one folder, a connection per thread; the generation thread
     only reads, so a lookup never waits on a write beyond SQLite's short locks."""
 
-    def __init__(self, folder, timeout=60.0):
+    def __init__(self, folder, timeout=60.0, read_only=False):
         self.path = os.path.join(folder, INDEX)
-        self.timeout = timeout
+        self.timeout, self.read_only = timeout, read_only
         self._local = threading.local()
         self._all = []
 
@@ -126,7 +127,8 @@ class Index:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(
-                self.path,
+                f"file:{quote(self.path)}?mode=ro" if self.read_only else self.path,
+                uri=self.read_only,
                 timeout=self.timeout,
                 isolation_level=None,
                 check_same_thread=False,
@@ -155,7 +157,8 @@ class Index:
             return "not a regular file"
         if info.st_size == 0:
             return "missing"
-        self.set_journal_aside()
+        if not self.read_only:
+            self.set_journal_aside()
         try:
             # Not a whole quick_check: it reads every page (0.3 s at 10,000
             # rows). A damaged page found later sets the index aside then.

@@ -23,6 +23,7 @@ from .fingerprint import cache_digest, model_digest
 from .folder import (
     ASIDE,
     INDEX,
+    NotOurs,
     TRANSIENT,
     Presence,
     aside_stamp,
@@ -274,16 +275,30 @@ class DiskTier:
         self._refused = set()  # files found bad, until the writer deletes them
         self._warned = set()
         self.off = None  # why the tier turned itself off while running
-        self.index = Index(self.folder, timeout)
-        with maintenance(self.folder):
-            open_index(self.folder, self.index)
-            self.presence = Presence(self.folder)
-            try:
-                with self.index.transaction() as db:
-                    sweep(self.folder, db, self.presence)
-            except BaseException:
-                self.presence.release()
-                raise
+        # A folder that cannot be written: restores from what it holds, no
+        # write of any kind (no repair, sweep, eviction, use noted).
+        self.read_only = not os.access(self.folder, os.W_OK | os.X_OK)
+        self.index = Index(self.folder, timeout, read_only=self.read_only)
+        self.presence = None
+        if self.read_only:
+            why = self.index.problem()
+            if why is not None:
+                raise NotOurs(f"{self.folder} cannot be written and its index is {why}")
+            logger.warning(
+                "mlx-lm-mla: %s cannot be written: its prompt caches are restored, "
+                "none is written or deleted",
+                self.folder,
+            )
+        else:
+            with maintenance(self.folder):
+                open_index(self.folder, self.index)
+                self.presence = Presence(self.folder)
+                try:
+                    with self.index.transaction() as db:
+                        sweep(self.folder, db, self.presence)
+                except BaseException:
+                    self.presence.release()
+                    raise
         self._pending, self._writes, self._lock = pending, 0, threading.Lock()
         self._closing = False
         self._queue = queue.Queue()
@@ -319,7 +334,7 @@ class DiskTier:
         is long enough to be read back (``min_tokens``)."""
         import mlx_lm.models.cache as cache_module
 
-        if self.off or self._closing or len(tokens) < self.min_tokens:
+        if self.off or self.read_only or self._closing or len(tokens) < self.min_tokens:
             return
         found, blob = self._model(model), _token_bytes(tokens)
         if found is None or blob is None:
@@ -440,7 +455,7 @@ class DiskTier:
             try:
                 if job is None:
                     return
-                if not self.off:
+                if not (self.off or self.read_only):
                     getattr(self, f"_{job[0]}")(*job[1:])
             except (sqlite3.DatabaseError, OSError) as e:
                 if full(e):
@@ -613,7 +628,8 @@ class DiskTier:
         self._queue.put(None)
         self._writer.join(timeout)
         if not self._writer.is_alive():
-            self.presence.release()
+            if self.presence:
+                self.presence.release()
             self.index.close()
 
     def total_bytes(self):
