@@ -7,11 +7,15 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
+from . import older
 from .folder import (
     INDEX,
     MARKER,
+    SUBFOLDER,
     NotOurs,
+    OlderFormat,
     Presence,
     aside_stamp,
     is_cache_name,
@@ -35,6 +39,10 @@ def _size(n):
         n /= 1024
 
 
+def _path(directory):
+    return Path(directory).expanduser().absolute()
+
+
 def _files(folder):
     """(cache files, temporary files, indexes moved aside by name, other names)
     in the folder, with bytes."""
@@ -56,7 +64,24 @@ def _files(folder):
 def stats(directory, out=None):
     """Prints what the tier's folder in ``directory`` holds; writes nothing."""
     out = out or sys.stdout
-    folder = open_folder(directory, create=False)
+    first = older.first_layout(_path(directory))
+    if first:
+        print(
+            f"{_path(directory)}: prompt caches of an older mlx-lm-mla "
+            f"({older.describe(first)}, beside {INDEX}), not read by this one; "
+            "`clear` deletes them",
+            file=out,
+        )
+    try:
+        folder = open_folder(directory, create=False)
+    except OlderFormat as e:
+        found = older.describe(older.older_folder(_path(directory) / SUBFOLDER))
+        print(f"{e} ({found})", file=out)
+        return
+    except NotOurs:
+        if first:
+            return
+        raise
     caches, temps, asides, other = _files(folder)
     print(f"{folder}: {len(caches)} cache files, {_size(sum(caches))}", file=out)
     if asides:
@@ -101,7 +126,28 @@ def clear(directory, out=None):
     """Deletes the tier's cache files (and dead processes' temporary files) in
     ``directory``; its folder, marker and index stay."""
     out = out or sys.stdout
-    folder = open_folder(directory, create=False)
+    first = older.first_layout(_path(directory))
+    if first:
+        n, nbytes = older.remove(first, "mlx-lm-mla cache-dir clear (an older layout)")
+        print(
+            f"{_path(directory)}: deleted {n} cache files of an older mlx-lm-mla, "
+            f"{_size(nbytes)}",
+            file=out,
+        )
+    try:
+        folder = open_folder(directory, create=False)
+    except OlderFormat:
+        folder = _path(directory) / SUBFOLDER
+        n, nbytes = older.clear_older_folder(folder)
+        print(
+            f"{folder}: deleted {n} cache files of an older format, {_size(nbytes)}",
+            file=out,
+        )
+        return
+    except NotOurs:
+        if first:
+            return
+        raise
     index = Index(folder)
     with maintenance(folder):
         open_index(folder, index)

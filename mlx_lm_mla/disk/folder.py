@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import string
 import uuid
@@ -23,6 +24,7 @@ SUFFIX = ".safetensors"
 _TEMP, _LOCK = "tmp-", "live-"
 TRANSIENT = (_TEMP, _LOCK)  # how the names of temporary files and locks start
 _DIGITS = string.hexdigits[:16]
+_VERSION = re.compile(r"mlx-lm-mla-disk-([0-9]+)")
 _ID = 32  # hex digits of a process id and of a cache file's name
 
 
@@ -30,8 +32,19 @@ class NotOurs(Exception):
     """A folder the tier cannot use, and why."""
 
 
-class Unwritable(NotOurs):
-    """A folder the tier cannot make: the server starts without the tier."""
+class Unusable(NotOurs):
+    """A folder the tier cannot use now (it cannot make it, or it holds an older
+    format's caches): the server starts without the tier, saying why."""
+
+
+class OlderFormat(Unusable):
+    """The tier's folder, marked with an older format."""
+
+
+def older_format(found):
+    """Whether a folder's marker names a format older than this one's."""
+    old, new = _VERSION.fullmatch(str(found)), _VERSION.fullmatch(FORMAT)
+    return bool(old and new and int(old[1]) < int(new[1]))
 
 
 def _hex(text, n):
@@ -143,6 +156,12 @@ def open_folder(directory, create=True):
         raise NotOurs(
             f"{folder} has no marker of the tier ({MARKER}), so what it holds "
             "is not the tier's; move it or choose another folder"
+        )
+    if older_format(found):
+        raise OlderFormat(
+            f"{folder} holds prompt caches of an older mlx-lm-mla (format {found}), "
+            f"which this one does not read; `mlx-lm-mla cache-dir clear {directory}` "
+            "removes them"
         )
     if found != FORMAT:
         raise NotOurs(

@@ -10,7 +10,7 @@ import types
 from fractions import Fraction
 
 from ..guards.reuse import NoStore, cache_problem
-from .folder import SUBFOLDER, NotOurs, Unwritable, open_folder
+from .folder import SUBFOLDER, NotOurs, Unusable, open_folder
 from .index import BLOCK
 from .tier import DEFAULT_MIN_TOKENS
 
@@ -106,7 +106,7 @@ def check_flags(parser, args):
         return
     try:
         open_folder(args.prompt_cache_dir)
-    except Unwritable:
+    except Unusable:
         pass  # the server starts; opening the tier says why it is off
     except NotOurs as e:
         parser.error(f"argument {DIR}: {e}")

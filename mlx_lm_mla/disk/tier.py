@@ -17,7 +17,7 @@ import numpy as np
 
 from ..checksum import CorruptCacheFile
 from ..guards.reuse import cache_problem
-from . import cachefile
+from . import cachefile, older
 from . import index as rows
 from .fingerprint import cache_digest, model_digest
 from .folder import (
@@ -268,6 +268,7 @@ class DiskTier:
         timeout=60.0,
     ):
         self.folder = open_folder(directory)
+        older.note_first_layout(self.folder.parent)
         self.max_bytes, self.min_tokens = int(max_bytes), int(min_tokens)
         self.settings, self.cache_digest = settings, cache_digest(settings)
         self._paths = paths or (lambda model: model)  # model key: the paths it loads
