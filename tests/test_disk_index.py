@@ -4,6 +4,7 @@ schema is migrated; what the tier leaves beside it (an index moved aside, a
 stray journal) and a full disk."""
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -341,3 +342,101 @@ def test_a_folder_that_cannot_be_made_starts_the_server_without_the_tier(
     text = log.read_text()
     assert text.count("prompt caches on disk are off") == 1, text
     assert "cannot make" in text
+
+
+# --- caches of an older mlx-lm-mla -------------------------------------------------
+
+# The first layout's index (mlx-lm-mla-disk-1: DIR/index.sqlite, no folder of
+# the tier's own), as that version made it.
+FIRST_SCHEMA = """
+CREATE TABLE entries (
+    name TEXT PRIMARY KEY, model TEXT NOT NULL, model_digest TEXT NOT NULL,
+    cache_digest TEXT NOT NULL, n_tokens INTEGER NOT NULL, tokens BLOB NOT NULL,
+    nbytes INTEGER NOT NULL, trimmable INTEGER NOT NULL, last_used REAL NOT NULL
+);
+CREATE INDEX entries_by_key ON entries (model_digest, cache_digest);
+CREATE INDEX entries_by_use ON entries (last_used);
+"""
+
+
+def first_layout(directory):
+    """``directory`` as the first layout left it; its files, and the user's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = "ab" * 20 + ".safetensors"
+    with sqlite3.connect(directory / INDEX) as db:
+        db.executescript(FIRST_SCHEMA)
+        db.execute(
+            "INSERT INTO entries VALUES (?, 'm', 'd', 'c', 300, x'00', 4096, 1, 0)",
+            (name,),
+        )
+    db.close()
+    ours = [
+        directory / INDEX,
+        directory / name,
+        directory / f".tmp-7-{'c' * 32}.safetensors",
+    ]
+    for path in ours[1:]:
+        path.write_bytes(os.urandom(4096))
+    theirs = [directory / "notes.txt", directory / ("cd" * 20 + ".safetensors")]
+    for path in theirs:
+        path.write_text("mine")
+    return ours, theirs
+
+
+def test_caches_of_the_first_layout_are_named_at_start_and_cleared(
+    model_path, tmp_path, capsys
+):
+    folder = tmp_path / "caches"
+    ours, theirs = first_layout(folder)
+    log = tmp_path / "log"
+    with Server(model_path, "--prompt-cache-dir", folder, log=log) as server:
+        answer(server.port, [{"role": "user", "content": "What is a trie?"}])
+    [line] = [x for x in log.read_text().splitlines() if "older mlx-lm-mla" in x]
+    assert "1 cache files" in line and f"mlx-lm-mla cache-dir clear {folder}" in line
+    assert all(p.exists() for p in ours)  # named, never deleted by a server
+    capsys.readouterr()
+    assert mlx_lm_mla_main(["cache-dir", "stats", str(folder)]) == 0
+    assert "prompt caches of an older mlx-lm-mla (1 cache files" in (
+        capsys.readouterr().out
+    )
+    assert mlx_lm_mla_main(["cache-dir", "clear", str(folder)]) == 0
+    assert not any(p.exists() for p in ours)
+    assert [p.read_text() for p in theirs] == ["mine"] * 2
+    assert (caches(folder) / INDEX).is_file()  # the tier's own folder stays
+
+
+def test_a_folder_of_an_older_format_starts_the_server_and_clear_empties_it(
+    model_path, tmp_path
+):
+    from mlx_lm_mla.disk.fingerprint import FORMAT
+    from mlx_lm_mla.disk.folder import MARKER
+
+    folder = tmp_path / "caches"
+    with Server(model_path, "--prompt-cache-dir", folder):
+        pass
+    version = int(FORMAT.rsplit("-", 1)[1])
+    (caches(folder) / MARKER).write_text(
+        json.dumps({"format": f"mlx-lm-mla-disk-{version - 1}"})
+    )
+    ours = [caches(folder) / ("ef" * 16 + ".safetensors"), caches(folder) / INDEX]
+    ours[0].write_bytes(os.urandom(4096))
+    (caches(folder) / "notes.txt").write_text("mine")
+    log = tmp_path / "log"
+    with Server(model_path, "--prompt-cache-dir", folder, log=log) as server:
+        answer(server.port, [{"role": "user", "content": "What is a trie?"}])
+    [line] = [x for x in log.read_text().splitlines() if "older mlx-lm-mla" in x]
+    assert f"mlx-lm-mla cache-dir clear {folder}" in line
+    assert all(p.exists() for p in ours)
+    assert mlx_lm_mla_main(["cache-dir", "clear", str(folder)]) == 0
+    assert not any(p.exists() for p in ours)
+    assert (caches(folder) / "notes.txt").read_text() == "mine"
+    assert json.loads((caches(folder) / MARKER).read_text())["format"] == FORMAT
+    with Server(model_path, "--prompt-cache-dir", folder) as server:
+        answer(
+            server.port,
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "What is a trie?"},
+            ],
+        )
+    assert rows(folder)  # the tier is back in its folder

@@ -137,9 +137,7 @@ def open_folder(directory, create=True):
         raise NotOurs(f"{folder} does not exist")
     except OSError as e:
         kind = (
-            Unwritable
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-            else NotOurs
+            Unusable if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else NotOurs
         )
         raise kind(f"cannot make {folder}: {e.strerror or e}")
     if not stat.S_ISDIR(mode):

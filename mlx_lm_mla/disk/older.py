@@ -94,9 +94,13 @@ def older_folder(folder):
     ]
 
 
+def _cache(name):
+    return bool(_FIRST_FILE.fullmatch(name) or is_cache_name(name))
+
+
 def describe(files):
     nbytes = sum(p.stat().st_size for p in files if is_regular(p))
-    caches = sum(1 for p in files if p.name.endswith(".safetensors"))
+    caches = sum(1 for p in files if _cache(p.name))
     return f"{caches} cache files, {nbytes / 1e6:,.1f} MB"
 
 
@@ -125,7 +129,7 @@ def remove(files, why):
         size = path.stat().st_size
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-            count += path.name.endswith(".safetensors")
+            count += _cache(path.name)
             nbytes += size
             logger.info("mlx-lm-mla: deleted %s: %s", path, why)
     return count, nbytes
