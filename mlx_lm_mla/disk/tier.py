@@ -283,7 +283,7 @@ class DiskTier:
         self.presence = None
         if self.read_only:
             why = self.index.problem()
-            if why is not None:
+            if why not in (None, rows.PREVIOUS):  # the previous one reads alike
                 raise NotOurs(f"{self.folder} cannot be written and its index is {why}")
             logger.warning(
                 "mlx-lm-mla: %s cannot be written: its prompt caches are restored, "
