@@ -137,6 +137,8 @@ def to_previous_schema(path):
             "DROP INDEX blocks_by_entry",
             "DROP INDEX entries_by_use",
             "CREATE INDEX entries_by_use ON entries (last_used)",
+            "DROP INDEX entries_by_model",
+            "CREATE INDEX entries_by_model ON entries (model, cache_digest)",
             "DELETE FROM meta WHERE key = 'schema'",
         ):
             db.execute(statement)

@@ -59,6 +59,8 @@ CREATE TABLE pending (              -- temporary files being written
 _SCHEMA_2 = """
 DROP INDEX IF EXISTS entries_by_use;
 CREATE INDEX entries_by_use ON entries (last_used, nbytes);
+DROP INDEX IF EXISTS entries_by_model;
+CREATE INDEX entries_by_model ON entries (model, cache_digest, model_digest);
 CREATE INDEX blocks_by_entry ON blocks (entry);
 CREATE TABLE totals (what TEXT PRIMARY KEY, bytes INTEGER NOT NULL);
 INSERT INTO totals SELECT 'entries', COALESCE(SUM(nbytes), 0) FROM entries;
@@ -161,11 +163,17 @@ class Index:
             self.set_journal_aside()
         try:
             # Not a whole quick_check: it reads every page (0.3 s at 10,000
-            # rows). A damaged page found later sets the index aside then.
+            # rows). A damaged page found later marks it for the next start.
+            # Read under a shared lock, so no other server's commit grows the
+            # file between the two.
+            self.db.execute("BEGIN")
+            self.db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
             pages = self.db.execute("PRAGMA page_count").fetchone()[0]
-            page_size = self.db.execute("PRAGMA page_size").fetchone()[0]
-            if pages * page_size > info.st_size:
-                return f"damaged (truncated to {info.st_size} of {pages * page_size} bytes)"
+            pages *= self.db.execute("PRAGMA page_size").fetchone()[0]
+            size = os.stat(self.path).st_size
+            self.db.execute("COMMIT")
+            if pages > size:
+                return f"damaged (truncated to {size} of {pages} bytes)"
             if not self.db.execute(
                 "SELECT 1 FROM sqlite_master WHERE name = 'meta'"
             ).fetchone():

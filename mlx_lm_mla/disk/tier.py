@@ -176,15 +176,15 @@ def sweep(folder, db, presence):
     index's names (from its own index), compared as sets: no row is read, and
     only the few names that differ are looked at one by one."""
     known = set(rows.names(db))
-    with os.scandir(folder) as listing:
-        found = {e.name: e.is_file(follow_symlinks=False) for e in listing}
-    asides = sorted({aside_stamp(n) for n in found if n.startswith(ASIDE)} - {None})
+    found = set(os.listdir(folder))
+    special = [n for n in found if n.startswith((ASIDE, *TRANSIENT))]
+    asides = sorted({aside_stamp(n) for n in special} - {None})
     if len(asides) > 1:
         keep_one_aside(folder, ASIDE + asides[-1])
     rows.set_aside_bytes(
-        db, aside_bytes(folder, [n for n in found if n.startswith(ASIDE)])
+        db, aside_bytes(folder, [n for n in special if n.startswith(ASIDE)])
     )
-    for name in sorted(n for n in found if n.startswith(TRANSIENT)):
+    for name in sorted(n for n in special if n.startswith(TRANSIENT)):
         owner = temp_owner(name) or lock_owner(name)
         if owner and owner != presence.id and not alive(folder, owner):
             why = (
@@ -195,14 +195,15 @@ def sweep(folder, db, presence):
             unlink(
                 folder, name, why, logging.WARNING if temp_owner(name) else logging.INFO
             )
-    for name in sorted(found.keys() - known):
+    for name in sorted(found - known):
         if is_cache_name(name):
             adopt(folder, db, name)
     for name, owner in rows.pending(db):
         if owner != presence.id and not alive(folder, owner):
             db.execute("DELETE FROM pending WHERE name = ?", (name,))
-    regular = {n for n, is_file in found.items() if is_file}
-    for name in sorted(known - regular):
+    # A name in place but not a regular file (a directory, a link) is refused
+    # when a restore finds it: no file is looked at one by one here.
+    for name in sorted(known - found):
         if not is_cache_name(name):
             logger.warning(
                 "mlx-lm-mla: the index of %s names %r, not a file of the tier; "
@@ -212,8 +213,7 @@ def sweep(folder, db, presence):
             )
         else:
             logger.warning(
-                "mlx-lm-mla: %s is missing or not a regular file; its row is removed",
-                folder / name,
+                "mlx-lm-mla: %s is missing; its row is removed", folder / name
             )
         rows.remove(db, name)
 
