@@ -170,6 +170,37 @@ def test_an_index_of_the_previous_schema_is_migrated_not_rebuilt(
     assert blocks == 2 * (300 // 64)  # the evicted row's blocks went with it
 
 
+def damage_the_rows_page(path):
+    """Random bytes over the page that holds the index's rows (not its other
+    b-trees), as a bad sector would leave: no start reads it."""
+    with sqlite3.connect(path) as db:
+        [(root,)] = db.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'entries'"
+        ).fetchall()
+        [(size,)] = db.execute("PRAGMA page_size").fetchall()
+    db.close()
+    with open(path, "r+b") as f:
+        f.seek((root - 1) * size)
+        f.write(os.urandom(size))
+
+
+def test_a_damage_found_while_serving_turns_the_tier_off_and_the_next_start_rebuilds(
+    tiers, tmp_path, caplog
+):
+    key = fake_model(tmp_path / "model")
+    stored(tiers, key).close()
+    damage_the_rows_page(caches(tmp_path / "caches") / INDEX)
+    with caplog.at_level(logging.WARNING):
+        tier = tiers()
+        tier.store(key, prompt(300, 1), random_cache(300, seed=1))
+        tier.flush()
+        assert tier.off and "the next start builds it again" in tier.off
+        tier.close()
+        tier = tiers()
+    assert any("moved aside" in w and "built again" in w for w in warnings_of(caplog))
+    assert tier.restore(key, prompt(300, 0) + [5], 0) is not None
+
+
 # --- what lies beside the index ------------------------------------------------
 
 
