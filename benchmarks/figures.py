@@ -330,8 +330,37 @@ def disk_sigterm(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def disk_index(data, table=None):
+    """A start and a write's index time against rows; the start that halves."""
+    header = [
+        "rows",
+        "tokens / row",
+        "index MB",
+        "start ms",
+        "index ms per write",
+    ]
+    rows = [
+        (
+            f"{e['rows']:,}",
+            f"{e['tokens_per_row']:,}",
+            f"{e['index_mb']:.0f}",
+            f"{1e3 * e['start_s']:.1f}",
+            f"{e['write_index_ms']:.1f}",
+        )
+        for e in data["results"]
+    ]
+    h = data["halve"]
+    return (
+        rows_table(header, rows)
+        + f"\nA start that halves the bound at {h['rows']:,} rows: listening after "
+        f"{h['start_s']:.2f} s, its eviction done after {h['evicted_s']:.1f} s "
+        f"({h['files_left']:,} files left).\n\n" + run_line(data)
+    )
+
+
 RENDER = {
     "disk_fingerprint": disk_fingerprint,
+    "disk_index": disk_index,
     "disk_lookup": disk_lookup,
     "disk_sigterm": disk_sigterm,
     "disk_ttft": disk_ttft,

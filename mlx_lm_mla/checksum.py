@@ -16,6 +16,12 @@ _BLANK = _FORM + "0" * 8  # the value while the checksum is computed
 _DATA_FORM = "crc32:"
 
 
+def whole_file(value):
+    """Whether a checksum value is of the form that covers the header too (the
+    disk tier's files were never written in another)."""
+    return isinstance(value, str) and value.startswith(_FORM)
+
+
 class CorruptCacheFile(ValueError):
     """A prompt cache file that cannot be what it claims to be."""
 

@@ -400,12 +400,36 @@ def swap_two_layers_in_header(path):
     path.write_bytes(swap_layers_in_header(path.read_bytes()))
 
 
+def with_data_only_checksum(path):
+    """The file's checksum rewritten in the legacy data-only form (``crc32:``,
+    the CRC-32 of what follows the header), padded to the same header length."""
+    import re
+    import zlib
+
+    raw = path.read_bytes()
+    end = 8 + int.from_bytes(raw[:8], "little")
+    header = raw[8:end].decode()
+    [value] = re.findall(r'"(file-crc32:[0-9a-f]{8})"', header)
+    legacy = f'"crc32:{zlib.crc32(raw[end:]):08x}"'
+    header = header.replace(f'"{value}"', legacy.ljust(len(value) + 2))
+    path.write_bytes(raw[:8] + header.encode() + raw[end:])
+
+
+def swap_two_layers_with_a_legacy_checksum(path):
+    swap_two_layers_in_header(path)
+    with_data_only_checksum(path)
+
+
 DAMAGES = {
     "changed byte": (lambda path, key, tiers: flip_last_byte(path), "checksum"),
     "truncated": (lambda path, key, tiers: truncate(path), "truncated"),
     "two layers swapped in its header": (
         lambda path, key, tiers: swap_two_layers_in_header(path),
         "checksum",
+    ),
+    "two layers swapped, a data-only checksum written back": (
+        lambda path, key, tiers: swap_two_layers_with_a_legacy_checksum(path),
+        "checksum is not of the whole file",
     ),
     "another model's file": (
         lambda path, key, tiers: (
@@ -576,6 +600,7 @@ def test_a_lower_bound_shrinks_the_folder_at_start(tiers, tmp_path, caplog):
     tier.close()
     with caplog.at_level(logging.INFO):
         smaller = tiers(max_bytes=int(size * 1.5))
+        smaller.flush()  # the writer's first job, once the server listens
     assert (
         tier_bytes(tmp_path / "caches") <= size * 1.5
         and len(cache_files(tmp_path / "caches")) == 1
@@ -589,7 +614,7 @@ def test_a_lower_bound_shrinks_the_folder_at_start(tiers, tmp_path, caplog):
         if "least recently used" in m
     ]
     assert len(deleted) == 2
-    tiers(max_bytes=1)
+    tiers(max_bytes=1).flush()
     assert cache_files(tmp_path / "caches") == []
 
 

@@ -9,7 +9,13 @@ import os
 
 from safetensors import SafetensorError, safe_open
 
-from ..checksum import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
+from ..checksum import (
+    CHECKSUM,
+    CorruptCacheFile,
+    add_checksum,
+    check_cache_file,
+    whole_file,
+)
 
 RECORD = "mlx_lm_mla_disk"  # the file's record, in its metadata
 
@@ -86,8 +92,16 @@ def read_record(path):
         raise CorruptCacheFile(f"truncated or corrupt: unreadable header or data ({e})")
     # save_prompt_cache nests the caller's metadata under a prefix.
     found = [v for k, v in metadata.items() if k.rpartition(".")[2] == RECORD]
-    if not any(k.rpartition(".")[2] == CHECKSUM for k in metadata):
+    sums = [v for k, v in metadata.items() if k.rpartition(".")[2] == CHECKSUM]
+    if not sums:
         found = []
+    elif not all(whole_file(v) for v in sums):
+        # An older data-only form would let a changed header (two tensors'
+        # offsets swapped) pass: the tier never wrote one, so none is trusted.
+        raise CorruptCacheFile(
+            f"its checksum is not of the whole file ({sums[0][:16]!r}); the tier "
+            "writes and reads only that form"
+        )
     try:
         record = json.loads(found[0]) if len(found) == 1 else None
         if not isinstance(record, dict):

@@ -7,12 +7,17 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
+from . import older
 from .folder import (
     INDEX,
     MARKER,
+    SUBFOLDER,
     NotOurs,
+    OlderFormat,
     Presence,
+    aside_stamp,
     is_cache_name,
     is_regular,
     lock_owner,
@@ -34,9 +39,14 @@ def _size(n):
         n /= 1024
 
 
+def _path(directory):
+    return Path(directory).expanduser().absolute()
+
+
 def _files(folder):
-    """(cache files, temporary files, other names) in the folder, with bytes."""
-    caches, temps, other = [], [], []
+    """(cache files, temporary files, indexes moved aside by name, other names)
+    in the folder, with bytes."""
+    caches, temps, asides, other = [], [], {}, []
     for name in sorted(os.listdir(folder)):
         path = folder / name
         size = os.lstat(path).st_size
@@ -44,17 +54,42 @@ def _files(folder):
             caches.append(size)
         elif temp_owner(name) and is_regular(path):
             temps.append(size)
+        elif aside_stamp(name) and is_regular(path):
+            asides[name] = size
         elif not (lock_owner(name) or name == MARKER or name.startswith(INDEX)):
             other.append(name)
-    return caches, temps, other
+    return caches, temps, asides, other
 
 
 def stats(directory, out=None):
     """Prints what the tier's folder in ``directory`` holds; writes nothing."""
     out = out or sys.stdout
-    folder = open_folder(directory, create=False)
-    caches, temps, other = _files(folder)
+    first = older.first_layout(_path(directory))
+    if first:
+        print(
+            f"{_path(directory)}: prompt caches of an older mlx-lm-mla "
+            f"({older.describe(first)}, beside {INDEX}), not read by this one; "
+            "`clear` deletes them",
+            file=out,
+        )
+    try:
+        folder = open_folder(directory, create=False)
+    except OlderFormat as e:
+        found = older.describe(older.older_folder(_path(directory) / SUBFOLDER))
+        print(f"{e} ({found})", file=out)
+        return
+    except NotOurs:
+        if first:
+            return
+        raise
+    caches, temps, asides, other = _files(folder)
     print(f"{folder}: {len(caches)} cache files, {_size(sum(caches))}", file=out)
+    if asides:
+        print(
+            f"  index moved aside: {', '.join(asides)}, {_size(sum(asides.values()))} "
+            "(counted toward the bound; `clear` deletes it)",
+            file=out,
+        )
     if temps:
         print(
             f"  being written (or left by a crash): {len(temps)} temporary files, "
@@ -63,9 +98,9 @@ def stats(directory, out=None):
         )
     if other:
         print(f"  not the tier's, left alone: {', '.join(other)}", file=out)
-    index = Index(folder)
+    index = Index(folder, read_only=True)  # a stray journal is left as it is
     why = index.problem()
-    if why is not None:
+    if why not in (None, rows.PREVIOUS):  # the previous schema reads alike
         print(
             f"  index: {why}; the next server start builds it again from the files",
             file=out,
@@ -91,7 +126,28 @@ def clear(directory, out=None):
     """Deletes the tier's cache files (and dead processes' temporary files) in
     ``directory``; its folder, marker and index stay."""
     out = out or sys.stdout
-    folder = open_folder(directory, create=False)
+    first = older.first_layout(_path(directory))
+    if first:
+        n, nbytes = older.remove(first, "mlx-lm-mla cache-dir clear (an older layout)")
+        print(
+            f"{_path(directory)}: deleted {n} cache files of an older mlx-lm-mla, "
+            f"{_size(nbytes)}",
+            file=out,
+        )
+    try:
+        folder = open_folder(directory, create=False)
+    except OlderFormat:
+        folder = _path(directory) / SUBFOLDER
+        n, nbytes = older.clear_older_folder(folder)
+        print(
+            f"{folder}: deleted {n} cache files of an older format, {_size(nbytes)}",
+            file=out,
+        )
+        return
+    except NotOurs:
+        if first:
+            return
+        raise
     index = Index(folder)
     with maintenance(folder):
         open_index(folder, index)
@@ -100,17 +156,29 @@ def clear(directory, out=None):
             with index.transaction() as db:
                 sweep(folder, db, presence)
                 names = rows.names(db)
-                for name in names:
-                    rows.remove(db, name)
+                db.execute("DELETE FROM entries")
+                rows.set_aside_bytes(db, 0)
         finally:
             presence.release()
+        asides = _files(folder)[2]
+        for name in asides:
+            unlink(folder, name, "mlx-lm-mla cache-dir clear")
     freed = 0
     for name in names:
         size = os.lstat(folder / name).st_size if is_regular(folder / name) else 0
         if unlink(folder, name, "mlx-lm-mla cache-dir clear"):
             freed += size
     index.close()
-    print(f"{folder}: deleted {len(names)} cache files, {_size(freed)}", file=out)
+    moved = len({aside_stamp(name) for name in asides})
+    print(
+        f"{folder}: deleted {len(names)} cache files, {_size(freed)}"
+        + (
+            f", and {moved} index moved aside, {_size(sum(asides.values()))}"
+            if moved
+            else ""
+        ),
+        file=out,
+    )
 
 
 def main(argv=None):

@@ -4,9 +4,11 @@ a random id its temporary files carry, so they are known live or dead whatever
 PIDs later processes get (a container's PID 1 is every run's)."""
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import string
 import uuid
@@ -17,8 +19,12 @@ from .fingerprint import FORMAT
 SUBFOLDER = "mlx-lm-mla-prompt-caches"
 MARKER = "mlx-lm-mla-caches.json"
 INDEX = "index.sqlite"
+ASIDE = f"{INDEX}.aside-"  # an index moved aside, its stamp, maybe a journal's tail
 SUFFIX = ".safetensors"
 _TEMP, _LOCK = "tmp-", "live-"
+TRANSIENT = (_TEMP, _LOCK)  # how the names of temporary files and locks start
+_DIGITS = string.hexdigits[:16]
+_VERSION = re.compile(r"mlx-lm-mla-disk-([0-9]+)")
 _ID = 32  # hex digits of a process id and of a cache file's name
 
 
@@ -26,8 +32,23 @@ class NotOurs(Exception):
     """A folder the tier cannot use, and why."""
 
 
+class Unusable(NotOurs):
+    """A folder the tier cannot use now (it cannot make it, or it holds an older
+    format's caches): the server starts without the tier, saying why."""
+
+
+class OlderFormat(Unusable):
+    """The tier's folder, marked with an older format."""
+
+
+def older_format(found):
+    """Whether a folder's marker names a format older than this one's."""
+    old, new = _VERSION.fullmatch(str(found)), _VERSION.fullmatch(FORMAT)
+    return bool(old and new and int(old[1]) < int(new[1]))
+
+
 def _hex(text, n):
-    return len(text) == n and all(c in string.hexdigits[:16] for c in text)
+    return len(text) == n and not text.strip(_DIGITS)  # in C: every start, every file
 
 
 def cache_name(digest):
@@ -57,6 +78,19 @@ def lock_owner(name):
         if name.startswith(_LOCK) and name.endswith(".lock") and _hex(owner, _ID)
         else None
     )
+
+
+def aside_stamp(name):
+    """The stamp of an index moved aside (or of its journal), or None."""
+    if not name.startswith(ASIDE):
+        return None
+    stamp = name[len(ASIDE) :]
+    for tail in ("-journal", "-wal", "-shm"):
+        stamp = stamp.removesuffix(tail)
+    day, _, rest = stamp.partition("T")
+    clock, _, code = rest.partition("-")
+    ok = day.isdigit() and len(day) == 8 and clock.isdigit() and len(clock) == 6
+    return stamp if ok and _hex(code, 6) else None
 
 
 def is_regular(path):
@@ -102,7 +136,10 @@ def open_folder(directory, create=True):
     except FileNotFoundError:
         raise NotOurs(f"{folder} does not exist")
     except OSError as e:
-        raise NotOurs(f"cannot make {folder}: {e.strerror or e}")
+        kind = (
+            Unusable if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else NotOurs
+        )
+        raise kind(f"cannot make {folder}: {e.strerror or e}")
     if not stat.S_ISDIR(mode):
         raise NotOurs(
             f"{folder} is not a directory of the tier; move it or choose another folder"
@@ -118,15 +155,19 @@ def open_folder(directory, create=True):
             f"{folder} has no marker of the tier ({MARKER}), so what it holds "
             "is not the tier's; move it or choose another folder"
         )
+    if older_format(found):
+        raise OlderFormat(
+            f"{folder} holds prompt caches of an older mlx-lm-mla (format {found}), "
+            f"which this one does not read; `mlx-lm-mla cache-dir clear {directory}` "
+            "removes them"
+        )
     if found != FORMAT:
         raise NotOurs(
             f"{folder} holds prompt caches of another version of "
             f"mlx-lm-mla (format {found}, this one reads {FORMAT}); "
             "delete that folder or choose another"
         )
-    if create and not os.access(folder, os.W_OK | os.X_OK):
-        raise NotOurs(f"{folder} is not writable")
-    return folder
+    return folder  # written to or not: the tier reads one it cannot write
 
 
 def _write_marker(path):

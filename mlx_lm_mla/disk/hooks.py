@@ -11,7 +11,7 @@ from fractions import Fraction
 
 from ..guards import state as served
 from ..guards.reuse import NoStore, cache_problem
-from .folder import SUBFOLDER, NotOurs, open_folder
+from .folder import SUBFOLDER, NotOurs, Unusable, open_folder
 from .index import BLOCK
 from .tier import DEFAULT_MIN_TOKENS
 
@@ -105,6 +105,8 @@ def check_flags(parser, args):
         return
     try:
         open_folder(args.prompt_cache_dir)
+    except Unusable:
+        pass  # the server starts; opening the tier says why it is off
     except NotOurs as e:
         parser.error(f"argument {DIR}: {e}")
 

@@ -6,15 +6,19 @@ lets several servers share it."""
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import stat
 import threading
 import time
 import uuid
+from urllib.parse import quote
 
 from .fingerprint import FORMAT
-from .folder import INDEX
+from .folder import ASIDE, INDEX
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 64  # tokens per hashed block
 _CANDIDATES = 64  # files compared past a shared block, at most
@@ -35,7 +39,6 @@ CREATE TABLE entries (
     trimmable INTEGER NOT NULL,
     last_used REAL NOT NULL
 );
-CREATE INDEX entries_by_use ON entries (last_used);
 CREATE INDEX entries_by_last_block ON entries (last_block);
 CREATE INDEX entries_by_model ON entries (model, cache_digest);
 CREATE TABLE blocks (
@@ -49,6 +52,49 @@ CREATE TABLE pending (              -- temporary files being written
     nbytes INTEGER NOT NULL
 );
 """
+
+# Added by schema 2, on a new index or over one of schema 1: sizes and the
+# order of use read from an index alone (a row's size lies past its tokens),
+# a running total of the files' bytes, and a row's blocks found by its id.
+_SCHEMA_2 = """
+DROP INDEX IF EXISTS entries_by_use;
+CREATE INDEX entries_by_use ON entries (last_used, nbytes);
+DROP INDEX IF EXISTS entries_by_model;
+CREATE INDEX entries_by_model ON entries (model, cache_digest, model_digest);
+CREATE INDEX blocks_by_entry ON blocks (entry);
+CREATE TABLE totals (what TEXT PRIMARY KEY, bytes INTEGER NOT NULL);
+INSERT INTO totals SELECT 'entries', COALESCE(SUM(nbytes), 0) FROM entries;
+INSERT INTO totals VALUES ('aside', 0);
+CREATE TRIGGER entries_added AFTER INSERT ON entries BEGIN
+    UPDATE totals SET bytes = bytes + new.nbytes WHERE what = 'entries';
+END;
+CREATE TRIGGER entries_removed AFTER DELETE ON entries BEGIN
+    UPDATE totals SET bytes = bytes - old.nbytes WHERE what = 'entries';
+    DELETE FROM blocks WHERE entry = old.id;
+END;
+CREATE TRIGGER entries_resized AFTER UPDATE OF nbytes ON entries BEGIN
+    UPDATE totals SET bytes = bytes - old.nbytes + new.nbytes WHERE what = 'entries';
+END;
+INSERT OR REPLACE INTO meta VALUES ('schema', '2');
+"""
+SCHEMA = "2"
+PREVIOUS = "of the previous schema"
+
+
+def run_script(db, script):
+    """Runs ``script``'s statements one at a time, inside the caller's
+    transaction (``executescript`` would commit it first)."""
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            db.execute(statement)
+            statement = ""
+
+
+def aside_name():
+    """A new name for an index moved aside (its journals' add their tails)."""
+    return f"{ASIDE}{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
 def root(model_digest, cache_digest):
@@ -72,9 +118,9 @@ class Index:
     """The index of one folder, a connection per thread; the generation thread
     only reads, so a lookup never waits on a write beyond SQLite's short locks."""
 
-    def __init__(self, folder, timeout=60.0):
+    def __init__(self, folder, timeout=60.0, read_only=False):
         self.path = os.path.join(folder, INDEX)
-        self.timeout = timeout
+        self.timeout, self.read_only = timeout, read_only
         self._local = threading.local()
         self._all = []
 
@@ -83,7 +129,8 @@ class Index:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(
-                self.path,
+                f"file:{quote(self.path)}?mode=ro" if self.read_only else self.path,
+                uri=self.read_only,
                 timeout=self.timeout,
                 isolation_level=None,
                 check_same_thread=False,
@@ -112,32 +159,69 @@ class Index:
             return "not a regular file"
         if info.st_size == 0:
             return "missing"
+        if not self.read_only:
+            self.set_journal_aside()
         try:
-            check = self.db.execute("PRAGMA quick_check").fetchall()
-            if check != [("ok",)]:
-                return f"damaged ({check[0][0]})"
+            # Not a whole quick_check: it reads every page (0.3 s at 10,000
+            # rows). A damaged page found later marks it for the next start.
+            # Read under a shared lock, so no other server's commit grows the
+            # file between the two.
+            self.db.execute("BEGIN")
+            self.db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+            pages *= self.db.execute("PRAGMA page_size").fetchone()[0]
+            size = os.stat(self.path).st_size
+            self.db.execute("COMMIT")
+            if pages > size:
+                return f"damaged (truncated to {size} of {pages} bytes)"
             if not self.db.execute(
                 "SELECT 1 FROM sqlite_master WHERE name = 'meta'"
             ).fetchone():
                 return "of another schema"
-            found = self.db.execute(
-                "SELECT value FROM meta WHERE key = 'format'"
-            ).fetchone()
+            found = dict(self.db.execute("SELECT key, value FROM meta"))
         except (sqlite3.Error, OSError) as e:
             return f"unreadable or damaged ({e})"
         finally:
             self.close()
-        return (
-            None if found == (FORMAT,) else f"of another format ({found and found[0]})"
+        if found.get("format") != FORMAT:
+            return f"of another format ({found.get('format')})"
+        if "damaged" in found:
+            return f"damaged (found while serving: {found['damaged']})"
+        if "schema" not in found:
+            return PREVIOUS
+        return None if found["schema"] == SCHEMA else f"of schema {found['schema']}"
+
+    def set_journal_aside(self):
+        """Renames a ``-journal`` that is not a plain file (a directory, a link):
+        SQLite cannot open or delete it, and would take the index as unusable.
+        A plain file is SQLite's own (a hot journal to roll back, or junk it
+        deletes)."""
+        journal = self.path + "-journal"
+        aside = os.path.join(os.path.dirname(self.path), f"{aside_name()}-journal")
+        try:
+            if stat.S_ISREG(os.lstat(journal).st_mode):
+                return
+            os.rename(journal, aside)
+        except OSError:
+            return  # none, or it cannot be moved: SQLite says what it finds
+        logger.warning(
+            "mlx-lm-mla: %s was not a journal of the index (not a regular file); "
+            "moved aside to %s, the index is kept",
+            journal,
+            os.path.basename(aside),
         )
+
+    def migrate(self):
+        """Brings an index of schema 1 to this one, in one transaction."""
+        with self.transaction() as db:
+            run_script(db, _SCHEMA_2)
 
     def move_aside(self):
         """Renames the index and its journals out of the way (a journal left
         beside a new index would be rolled into it); returns the new name or
         None. An empty index is left to ``create``."""
         empty = False
-        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        aside, moved = f"{INDEX}.aside-{stamp}", False
+        aside, moved = aside_name(), False
         folder = os.path.dirname(self.path)
         with contextlib.suppress(OSError):
             info = os.lstat(self.path)
@@ -157,10 +241,9 @@ class Index:
             os.unlink(self.path)  # an empty file: SQLite would take it as a database
         os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
         with self.transaction() as db:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            run_script(db, _SCHEMA)
             db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT,))
+            run_script(db, _SCHEMA_2)
 
     @contextlib.contextmanager
     def transaction(self):
@@ -170,9 +253,19 @@ class Index:
         try:
             yield db
         except BaseException:
-            db.execute("ROLLBACK")
+            # SQLite ends the transaction itself on some errors (a full disk):
+            # a ROLLBACK then fails and would hide the error that ended it.
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
+        try:
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            raise
 
     # --- reads (the generation thread) -----------------------------------
 
@@ -266,20 +359,16 @@ def add(db, name, record, tokens, nbytes, last_used=None):
 
 
 def remove(db, name):
-    """Removes a file's entry and its blocks; whether there was one."""
-    row = db.execute(
-        "SELECT id, model_digest, cache_digest, tokens FROM entries WHERE name = ?",
-        (name,),
-    ).fetchone()
-    if row is None:
-        return False
-    entry, model_digest, cache_digest, tokens = row
-    hashes = block_hashes(root(model_digest, cache_digest), tokens)
-    db.executemany(
-        "DELETE FROM blocks WHERE hash = ? AND entry = ?", [(h, entry) for h in hashes]
+    """Removes a file's entry (its blocks go with it); whether there was one."""
+    return db.execute("DELETE FROM entries WHERE name = ?", (name,)).rowcount > 0
+
+
+def remove_ids(db, ids):
+    """Removes the entries of ``ids`` in one statement."""
+    db.execute(
+        "DELETE FROM entries WHERE id IN (SELECT value FROM json_each(?))",
+        (json.dumps(list(ids)),),
     )
-    db.execute("DELETE FROM entries WHERE id = ?", (entry,))
-    return True
 
 
 def prefixes(db, model_digest, cache_digest, tokens):
@@ -298,18 +387,35 @@ def prefixes(db, model_digest, cache_digest, tokens):
 
 
 def total_bytes(db):
-    """Bytes of the files and of the temporary files being written."""
-    files = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
-    return files + pending_bytes(db)
+    """Bytes of the files, of the temporary files being written and of the index
+    moved aside, from the running totals: no row of a file is read."""
+    kept = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM totals").fetchone()[0]
+    return kept + pending_bytes(db)
+
+
+def set_aside_bytes(db, nbytes):
+    db.execute("UPDATE totals SET bytes = ? WHERE what = 'aside'", (nbytes,))
+
+
+def least_used(db, nbytes, most=None):
+    """(ids, names) of the least recently used files that hold ``nbytes`` bytes
+    together (``most`` files at most), read in order of use until they do."""
+    ids, names, freed = [], [], 0
+    if nbytes <= 0:
+        return ids, names
+    for entry, name, size in db.execute(
+        "SELECT id, name, nbytes FROM entries ORDER BY last_used"
+    ):
+        ids.append(entry)
+        names.append(name)
+        freed += size
+        if freed >= nbytes or len(ids) == most:
+            break
+    return ids, names
 
 
 def pending_bytes(db):
     return db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM pending").fetchone()[0]
-
-
-def oldest(db):
-    row = db.execute("SELECT name FROM entries ORDER BY last_used LIMIT 1").fetchone()
-    return row[0] if row else None
 
 
 def names(db):

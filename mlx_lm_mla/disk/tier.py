@@ -3,6 +3,7 @@ background, found again by their tokens' block hashes, evicted least recently
 used past the folder's bound. Opening the folder repairs what a crash left."""
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -16,11 +17,16 @@ import numpy as np
 
 from ..checksum import CorruptCacheFile
 from ..guards.reuse import cache_problem
-from . import cachefile
+from . import cachefile, older
 from . import index as rows
 from .fingerprint import cache_digest, model_digest
 from .folder import (
+    ASIDE,
+    INDEX,
+    NotOurs,
+    TRANSIENT,
     Presence,
+    aside_stamp,
     alive,
     cache_name,
     is_cache_name,
@@ -37,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 256
 EVICTED = "least recently used, the folder was over its bound"
+SHRINK_STEP = 512  # files evicted in one transaction at start
 
 
 def _common(a, b):
@@ -57,7 +64,9 @@ def _token_bytes(tokens):
 def unlink(folder, name, why, level=logging.INFO):
     """Deletes one of the tier's own plain files, logged with ``why``."""
     path = folder / name
-    own = is_cache_name(name) or temp_owner(name) or lock_owner(name)
+    own = (
+        is_cache_name(name) or temp_owner(name) or lock_owner(name) or aside_stamp(name)
+    )
     if not own or os.path.basename(name) != name:
         logger.warning(
             "mlx-lm-mla: the index names %r, not a file of the tier; nothing deleted",
@@ -82,7 +91,15 @@ def open_index(folder, index):
     why = index.problem()
     if why is None:
         return
+    if why == rows.PREVIOUS:
+        index.migrate()
+        logger.info(
+            "mlx-lm-mla: the index of %s was brought to schema %s", folder, rows.SCHEMA
+        )
+        return
     aside = index.move_aside()  # with a journal of its own, where one is left
+    if aside:
+        keep_one_aside(folder, aside)
     index.create()
     with index.transaction() as db:
         found = [n for n in sorted(os.listdir(folder)) if is_cache_name(n)]
@@ -102,6 +119,25 @@ def open_index(folder, index):
             folder,
             adopted,
         )
+
+
+def keep_one_aside(folder, newest):
+    """Deletes the indexes moved aside before ``newest``: one is kept to look
+    into, and it counts toward the bound."""
+    for name in sorted(os.listdir(folder)):
+        stamp = aside_stamp(name)
+        if stamp and stamp != newest[len(ASIDE) :]:
+            unlink(folder, name, "an older index moved aside; the newest is kept")
+
+
+def aside_bytes(folder, names=None):
+    """Bytes of the indexes moved aside (and of their journals)."""
+    total = 0
+    for name in os.listdir(folder) if names is None else names:
+        if aside_stamp(name) and is_regular(folder / name):
+            with contextlib.suppress(OSError):
+                total += os.lstat(folder / name).st_size
+    return total
 
 
 def adopt(folder, db, name):
@@ -136,9 +172,19 @@ def file_name(model_digest, cache_digest, tokens):
 def sweep(folder, db, presence):
     """Removes what a crash can leave (files and locks of gone processes, rows of
     missing files) and indexes files whose row was not committed. Call in
-    maintenance, inside a write transaction."""
+    maintenance, inside a write transaction. One listing of the folder and the
+    index's names (from its own index), compared as sets: no row is read, and
+    only the few names that differ are looked at one by one."""
     known = set(rows.names(db))
-    for name in sorted(os.listdir(folder)):
+    found = set(os.listdir(folder))
+    special = [n for n in found if n.startswith((ASIDE, *TRANSIENT))]
+    asides = sorted({aside_stamp(n) for n in special} - {None})
+    if len(asides) > 1:
+        keep_one_aside(folder, ASIDE + asides[-1])
+    rows.set_aside_bytes(
+        db, aside_bytes(folder, [n for n in special if n.startswith(ASIDE)])
+    )
+    for name in sorted(n for n in special if n.startswith(TRANSIENT)):
         owner = temp_owner(name) or lock_owner(name)
         if owner and owner != presence.id and not alive(folder, owner):
             why = (
@@ -149,12 +195,15 @@ def sweep(folder, db, presence):
             unlink(
                 folder, name, why, logging.WARNING if temp_owner(name) else logging.INFO
             )
-        elif is_cache_name(name) and name not in known:
+    for name in sorted(found - known):
+        if is_cache_name(name):
             adopt(folder, db, name)
     for name, owner in rows.pending(db):
         if owner != presence.id and not alive(folder, owner):
             db.execute("DELETE FROM pending WHERE name = ?", (name,))
-    for name in known:
+    # A name in place but not a regular file (a directory, a link) is refused
+    # when a restore finds it: no file is looked at one by one here.
+    for name in sorted(known - found):
         if not is_cache_name(name):
             logger.warning(
                 "mlx-lm-mla: the index of %s names %r, not a file of the tier; "
@@ -162,26 +211,42 @@ def sweep(folder, db, presence):
                 folder,
                 name,
             )
-            rows.remove(db, name)
-        elif not is_regular(folder / name):
+        else:
             logger.warning(
-                "mlx-lm-mla: %s is missing or not a regular file; its row is removed",
-                folder / name,
+                "mlx-lm-mla: %s is missing; its row is removed", folder / name
             )
-            rows.remove(db, name)
+        rows.remove(db, name)
 
 
 def evict(db, max_bytes, room=0):
-    """Removes least recently used rows until the files, those being written and
-    ``room`` fit in ``max_bytes``; returns their names, to delete once committed."""
-    gone = []
-    while rows.total_bytes(db) + room > max_bytes:
-        name = rows.oldest(db)
-        if name is None:
-            break
-        rows.remove(db, name)
-        gone.append(name)
-    return gone
+    """Removes least recently used rows, in one statement, until the files, those
+    being written, the index moved aside and ``room`` fit in ``max_bytes``;
+    returns their names, to delete once committed."""
+    ids, names = rows.least_used(db, rows.total_bytes(db) + room - max_bytes)
+    if ids:
+        rows.remove_ids(db, ids)
+    return names
+
+
+def full(error):
+    """Whether an error is a full disk (or quota), from SQLite or the system."""
+    if isinstance(error, sqlite3.Error):
+        return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or (
+            "disk is full" in str(error)
+        )
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def unwritten(job):
+    """What a writer's job that failed leaves undone, in words."""
+    if job[0] == "write":
+        return f"a prompt cache of {len(job[3]) // 4} tokens (it stays in RAM only)"
+    return {
+        "touch": "the time a cache file was last used",
+        "delete": f"the removal of the index row of {job[1]}",
+        "changed": "the removal of the caches of a model whose files changed",
+        "shrink": "the eviction down to the bound at start",
+    }.get(job[0], job[0])
 
 
 class DiskTier:
@@ -203,6 +268,7 @@ class DiskTier:
         timeout=60.0,
     ):
         self.folder = open_folder(directory)
+        older.note_first_layout(self.folder.parent)
         self.max_bytes, self.min_tokens = int(max_bytes), int(min_tokens)
         self.settings, self.cache_digest = settings, cache_digest(settings)
         self._paths = paths or (lambda model: model)  # model key: the paths it loads
@@ -210,22 +276,36 @@ class DiskTier:
         self._refused = set()  # files found bad, until the writer deletes them
         self._warned = set()
         self.off = None  # why the tier turned itself off while running
-        self.index = Index(self.folder, timeout)
-        with maintenance(self.folder):
-            open_index(self.folder, self.index)
-            self.presence = Presence(self.folder)
-            try:
-                with self.index.transaction() as db:
-                    sweep(self.folder, db, self.presence)
-                    gone = evict(db, self.max_bytes)
-            except BaseException:
-                self.presence.release()
-                raise
-        for name in gone:
-            unlink(self.folder, name, EVICTED)
+        # A folder that cannot be written: restores from what it holds, no
+        # write of any kind (no repair, sweep, eviction, use noted).
+        self.read_only = not os.access(self.folder, os.W_OK | os.X_OK)
+        self.index = Index(self.folder, timeout, read_only=self.read_only)
+        self.presence = None
+        if self.read_only:
+            why = self.index.problem()
+            if why not in (None, rows.PREVIOUS):  # the previous one reads alike
+                raise NotOurs(f"{self.folder} cannot be written and its index is {why}")
+            logger.warning(
+                "mlx-lm-mla: %s cannot be written: its prompt caches are restored, "
+                "none is written or deleted",
+                self.folder,
+            )
+        else:
+            with maintenance(self.folder):
+                open_index(self.folder, self.index)
+                self.presence = Presence(self.folder)
+                try:
+                    with self.index.transaction() as db:
+                        sweep(self.folder, db, self.presence)
+                except BaseException:
+                    self.presence.release()
+                    raise
         self._pending, self._writes, self._lock = pending, 0, threading.Lock()
         self._closing = False
         self._queue = queue.Queue()
+        # A bound lowered since the last start: the writer's first job, so a
+        # large eviction never keeps the server from listening.
+        self._queue.put(("shrink",))
         self._writer = threading.Thread(
             target=self._write_loop, name="mlx-lm-mla disk tier", daemon=True
         )
@@ -255,7 +335,7 @@ class DiskTier:
         is long enough to be read back (``min_tokens``)."""
         import mlx_lm.models.cache as cache_module
 
-        if self.off or self._closing or len(tokens) < self.min_tokens:
+        if self.off or self.read_only or self._closing or len(tokens) < self.min_tokens:
             return
         found, blob = self._model(model), _token_bytes(tokens)
         if found is None or blob is None:
@@ -376,10 +456,24 @@ class DiskTier:
             try:
                 if job is None:
                     return
-                if not self.off:
+                if not (self.off or self.read_only):
                     getattr(self, f"_{job[0]}")(*job[1:])
-            except sqlite3.DatabaseError as e:
-                if isinstance(e, sqlite3.OperationalError):  # locked, full, read-only
+            except (sqlite3.DatabaseError, OSError) as e:
+                if full(e):
+                    self._warn(
+                        ("full", job[0]),
+                        "mlx-lm-mla: the disk of %s is full: %s was not written",
+                        self.folder,
+                        unwritten(job),
+                    )
+                elif isinstance(e, OSError):
+                    self._warn(
+                        ("write", type(e)),
+                        "mlx-lm-mla: could not write a prompt cache to %s: %s",
+                        self.folder,
+                        e,
+                    )
+                elif isinstance(e, sqlite3.OperationalError):  # locked, read-only
                     self._warn(
                         ("index", job[0]),
                         "mlx-lm-mla: could not update the index of %s: %s",
@@ -387,12 +481,7 @@ class DiskTier:
                         e,
                     )
                 else:
-                    self.off = (
-                        f"its index is damaged ({e}); the next start builds it again"
-                    )
-                    logger.warning(
-                        "mlx-lm-mla: prompt caches on disk are off: %s", self.off
-                    )
+                    self._damaged(e)
             except Exception as e:
                 self._warn(
                     ("write", type(e)),
@@ -438,11 +527,11 @@ class DiskTier:
             )
         for old in evicted:
             unlink(self.folder, old, EVICTED)
+        renamed = False
         try:
             cachefile.write(self.folder / temp, cache, metadata)
             with self.index.transaction() as db:
                 db.execute("DELETE FROM pending WHERE name = ?", (temp,))
-                os.replace(self.folder / temp, self.folder / name)
                 rows.add(db, name, record, blob, size)
                 # As in RAM: a trimmable cache makes the ones of its prefixes redundant.
                 gone = (
@@ -452,14 +541,51 @@ class DiskTier:
                 )
                 for old in gone:
                     rows.remove(db, old)
+                os.replace(self.folder / temp, self.folder / name)
+                renamed = True
         except BaseException:
             if os.path.lexists(self.folder / temp):
                 unlink(self.folder, temp, "its write failed")
+            elif renamed:
+                with contextlib.suppress(sqlite3.Error):
+                    if not self.index.has(name):  # its row was not committed
+                        unlink(self.folder, name, "its index row could not be written")
             with contextlib.suppress(sqlite3.Error), self.index.transaction() as db:
                 db.execute("DELETE FROM pending WHERE name = ?", (temp,))
             raise
         for old in gone:
             unlink(self.folder, old, "a newer file holds its tokens and more")
+
+    def _damaged(self, error):
+        """Off for this server; the index marked for the next start to rebuild
+        (a start reads no page it does not need, so it would not see it)."""
+        self.off = f"its index is damaged ({error}); the next start builds it again"
+        try:
+            with self.index.transaction() as db:
+                db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('damaged', ?)", (str(error),)
+                )
+        except sqlite3.Error:
+            self.off = (
+                f"its index is damaged ({error}); delete {self.folder / INDEX} and "
+                "the next start builds it again"
+            )
+        logger.warning("mlx-lm-mla: prompt caches on disk are off: %s", self.off)
+
+    def _shrink(self):
+        """Evicts down to the bound in steps of at most ``SHRINK_STEP`` files, so
+        no other server's write waits long on the index's lock; a server that
+        stops leaves the rest to the next start."""
+        while True:
+            with self.index.transaction() as db:
+                excess = rows.total_bytes(db) - self.max_bytes
+                ids, gone = rows.least_used(db, excess, SHRINK_STEP)
+                if ids:
+                    rows.remove_ids(db, ids)
+            for name in gone:
+                unlink(self.folder, name, EVICTED)
+            if len(ids) < SHRINK_STEP or self._closing:
+                return
 
     def _touch(self, name):
         self.index.db.execute(
@@ -503,7 +629,8 @@ class DiskTier:
         self._queue.put(None)
         self._writer.join(timeout)
         if not self._writer.is_alive():
-            self.presence.release()
+            if self.presence:
+                self.presence.release()
             self.index.close()
 
     def total_bytes(self):
