@@ -106,3 +106,32 @@ def stock_caches():
                 mlx_lm_mla.install()
 
     return classes
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """The demo GLM saved as mlx_lm.server loads it, once per module."""
+    from serving import save_served_model
+
+    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
+
+
+@pytest.fixture
+def tiers(installed, tmp_path):
+    """Opens disk tiers on a folder of the test's (closed at its end)."""
+    from disk_child import settings
+
+    from mlx_lm_mla.disk.tier import DiskTier
+
+    opened = []
+
+    def tier(
+        max_bytes=1 << 30, changes=None, folder=tmp_path / "caches", min_tokens=64
+    ):
+        t = DiskTier(folder, max_bytes, {**settings(), **(changes or {})}, min_tokens)
+        opened.append(t)
+        return t
+
+    yield tier
+    for t in opened:
+        t.close()

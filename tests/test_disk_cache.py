@@ -20,7 +20,6 @@ import pytest
 from mlx_lm_mla.__main__ import main as mlx_lm_mla_main
 from mlx_lm_mla.disk import hooks
 from mlx_lm_mla.disk.folder import INDEX, MARKER, SUBFOLDER, is_cache_name, temp_owner
-from mlx_lm_mla.disk.tier import DiskTier
 from conftest import swap_layers_in_header
 from serving import (
     SYSTEM,
@@ -34,11 +33,6 @@ from serving import (
 HERE = Path(__file__).parent
 KV_BITS = [None, 4] if server_supports("--kv-bits") else [None]
 STOPS = 20  # SIGTERM stops in a row; 12 of 68 aborted before
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
 
 
 def body(messages, max_tokens=12):
@@ -338,7 +332,7 @@ def test_a_folder_that_is_not_the_tiers_is_refused_and_left_alone(
 
 # --- the tier itself, without a server ---------------------------------------
 
-from disk_child import prompt, random_cache, settings  # noqa: E402
+from disk_child import prompt, random_cache  # noqa: E402
 
 
 def fake_model(folder, seed=0):
@@ -367,22 +361,6 @@ def child():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture
-def tiers(installed, tmp_path):
-    opened = []
-
-    def tier(
-        max_bytes=1 << 30, changes=None, folder=tmp_path / "caches", min_tokens=64
-    ):
-        t = DiskTier(folder, max_bytes, {**settings(), **(changes or {})}, min_tokens)
-        opened.append(t)
-        return t
-
-    yield tier
-    for t in opened:
-        t.close()
 
 
 def stored(tiers, key, n=300, start=0, **kwargs):

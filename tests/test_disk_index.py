@@ -21,10 +21,8 @@ from test_disk_cache import (
     caches,
     consistent,
     fake_model,
-    model_path,  # noqa: F401 (a fixture)
     rows,
     stored,
-    tiers,  # noqa: F401 (a fixture)
     warnings_of,
 )
 

@@ -15,15 +15,10 @@ import pytest
 
 from mlx_lm_mla.disk import hooks
 from mlx_lm_mla.disk.folder import INDEX, SUBFOLDER
-from serving import SYSTEM, Server, post_json, save_served_model
+from serving import SYSTEM, Server, post_json
 
 LONG = 3000  # tokens a request may generate: minutes of work on this machine
 HUNG = 600  # seconds: a server still streaming or alive this long has hung
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
 
 
 def chat(user, max_tokens, **extra):

@@ -13,7 +13,6 @@ from serving import (
     RequestFailed,
     Server,
     questions,
-    save_served_model,
     served_as_fresh,
     server_supports,
 )
@@ -35,11 +34,6 @@ if server_supports("--kv-bits"):
     POINTS.append(("to_quantized", QUANTIZED))
 
 CHECKS = questions(30)[-5:]  # the five requests after the fault
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from serving import (
     Stream,
     questions,
     raw_post,
-    save_served_model,
     status_lines,
 )
 
@@ -89,11 +88,6 @@ def answer(port, path, body):
     reply = raw_post(port, path, json.dumps(body).encode(), timeout=60, limit=4_000)
     status = int(status_lines(reply)[0].split()[1])
     return status, b'"error"' in reply.split(b"\r\n\r\n", 1)[-1]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
 
 
 def odd_then_sampled(port, i, field, value):

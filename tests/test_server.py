@@ -24,7 +24,6 @@ from serving import (
     post_json,
     questions,
     raw_post,
-    save_served_model,
     served_as_fresh,
     server_supports,
     status_lines,
@@ -39,11 +38,6 @@ OWN_SAMPLER = {"temperature": 1e-4}
 
 KV_BITS = [4, 8] if server_supports("--kv-bits") else []
 START = 64  # --quantized-kv-start, crossed by every request below
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
 
 
 def kv_flags(bits):

@@ -8,17 +8,11 @@ import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
 
 from mlx_lm_mla.disk import hooks
 from mlx_lm_mla.disk.folder import INDEX, SUBFOLDER
 from mlx_lm_mla.guards import state as served
-from serving import SYSTEM, post_json, save_served_model
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return save_served_model(tmp_path_factory.mktemp("served") / "glm")
+from serving import SYSTEM, post_json
 
 
 def command_line(monkeypatch, *argv):
