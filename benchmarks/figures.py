@@ -55,6 +55,11 @@ def run_line(data):
 VARIANTS = {"stock": "stock bf16", "ours": "bf16", "ours8": "8-bit", "ours4": "4-bit"}
 
 
+def variant(row):
+    # Runs since mlx_lm_mla/bench.py name each variant in the row.
+    return row.get("label") or VARIANTS[row["variant"]]
+
+
 def decode_speed(data, table=None):
     """Whole-model decode (default; ``targets``: the rows that have one) or
     one layer's attention (``attention``)."""
@@ -64,7 +69,7 @@ def decode_speed(data, table=None):
             (
                 f"{r['context']:,}",
                 r["batch"],
-                VARIANTS[r["variant"]],
+                variant(r),
                 f"{r['ms']:.1f}",
                 f"{r['speed']:.2f}",
                 f"{r['floor_mb']:.1f}",
@@ -86,7 +91,7 @@ def decode_speed(data, table=None):
             (
                 f"{r['context']:,}",
                 r["batch"],
-                VARIANTS[r["variant"]],
+                variant(r),
                 f"{r['tokens_per_s']:.2f}",
                 f"{r['ratio']:.2f}",
                 f"{r['transient_mib']:.1f}",
