@@ -301,6 +301,21 @@ def disk_lookup(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def next_turn(data, table=None):
+    header = ["variant", "TTFT s", "x stock", "transient MiB/layer", "x stock"]
+    rows = [
+        (
+            r["label"],
+            f"{r['ttft_s']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['transient_mib']:.1f}",
+            f"{r['transient_ratio']:.2f}",
+        )
+        for r in data["rows"]
+    ]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
 RENDER = {
     "disk_lookup": disk_lookup,
     "disk_ttft": disk_ttft,
@@ -308,6 +323,7 @@ RENDER = {
     "decode_speed": decode_speed,
     "fidelity": fidelity,
     "mixed_batch_memory": mixed_batch_memory,
+    "next_turn": next_turn,
     "peak_memory": peak_memory,
 }
 
