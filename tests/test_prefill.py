@@ -8,7 +8,7 @@ import importlib
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla import decode, decode_cuda, prefill, tiny
@@ -168,3 +168,25 @@ def test_uninstall_restores_the_multilinear_calls(installed):
     assert all(hasattr(c.__call__, "mlx_lm_mla_original") for c in classes)
     mlx_lm_mla.uninstall()
     assert not any(hasattr(c.__call__, "mlx_lm_mla_original") for c in classes)
+
+
+def test_a_batch_with_left_padding_gives_stocks_logits(installed, small_chunks, folded):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    prompts = [TOKENS[:190], TOKENS[20:120]]
+
+    def batch_logits():
+        caches = []
+        for p in prompts:
+            c = make_prompt_cache(model)
+            model(mx.array([p]), cache=c)
+            caches.append(c)
+        batch = [
+            BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))
+        ]
+        return model(mx.array([TOKENS[200:206], TOKENS[300:306]]), cache=batch)
+
+    mlx_lm_mla.uninstall()
+    expected = batch_logits()
+    mlx_lm_mla.install()
+    got = batch_logits()
+    assert folded and mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
