@@ -65,7 +65,8 @@ _KERNEL = []  # decode_cuda.ENABLED as the environment left it
 
 def use_decode(variant):
     """Switches between stock mlx-lm and the package's decode for ``variant``.
-    The one place that knows how: stock is the package uninstalled."""
+    The one place that knows how: stock is the package uninstalled (a decode
+    switch in decode.py, once there is one, can take its place here)."""
     import mlx_lm_mla
     from mlx_lm_mla import decode_cuda
 
@@ -595,7 +596,7 @@ def device():
     info = {}
     for get in (
         getattr(mx, "device_info", None),
-        getattr(mx.metal, "device_info", None),
+        getattr(getattr(mx, "metal", None), "device_info", None),
     ):
         try:
             info = dict(get()) if get else {}
