@@ -51,6 +51,8 @@ setup(
         "cpu": [MLX_LM.format(extra="[cpu]")],
         "cuda12": [MLX_LM.format(extra="[cuda12]")],
         "cuda13": [MLX_LM.format(extra="[cuda13]")],
+        # mlx-lm-mla bench --plot
+        "plot": ["matplotlib"],
         # requests: mlx-lm's test_server.py; pytest-xdist: the README's test command;
         # ruff: the formatter (its style changes only between minor releases)
         "test": [

@@ -55,6 +55,11 @@ def run_line(data):
 VARIANTS = {"stock": "stock bf16", "ours": "bf16", "ours8": "8-bit", "ours4": "4-bit"}
 
 
+def variant(row):
+    # Runs since mlx_lm_mla/bench.py name each variant in the row.
+    return row.get("label") or VARIANTS[row["variant"]]
+
+
 def decode_speed(data, table=None):
     """Whole-model decode (default; ``targets``: the rows that have one) or
     one layer's attention (``attention``)."""
@@ -64,7 +69,7 @@ def decode_speed(data, table=None):
             (
                 f"{r['context']:,}",
                 r["batch"],
-                VARIANTS[r["variant"]],
+                variant(r),
                 f"{r['ms']:.1f}",
                 f"{r['speed']:.2f}",
                 f"{r['floor_mb']:.1f}",
@@ -86,7 +91,7 @@ def decode_speed(data, table=None):
             (
                 f"{r['context']:,}",
                 r["batch"],
-                VARIANTS[r["variant"]],
+                variant(r),
                 f"{r['tokens_per_s']:.2f}",
                 f"{r['ratio']:.2f}",
                 f"{r['transient_mib']:.1f}",
@@ -313,6 +318,21 @@ def disk_fingerprint(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def next_turn(data, table=None):
+    header = ["variant", "TTFT s", "x stock", "transient MiB/layer", "x stock"]
+    rows = [
+        (
+            r["label"],
+            f"{r['ttft_s']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['transient_mib']:.1f}",
+            f"{r['transient_ratio']:.2f}",
+        )
+        for r in data["rows"]
+    ]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
 def disk_sigterm(data, table=None):
     """Seconds from SIGTERM to the end of a server in a long prefill."""
     header = ["server", "path", "exit s (median)", "largest", "prefilled, most", "done"]
@@ -368,6 +388,7 @@ RENDER = {
     "decode_speed": decode_speed,
     "fidelity": fidelity,
     "mixed_batch_memory": mixed_batch_memory,
+    "next_turn": next_turn,
     "peak_memory": peak_memory,
 }
 

@@ -18,6 +18,7 @@ COMMANDS = {
         "stats|clear DIR: the prompt caches on disk (--prompt-cache-dir)",
     ),
     "tiny-model": ("mlx_lm_mla.tiny", "write a tiny random MLA model to try it on"),
+    "bench": ("mlx_lm_mla.bench", "decode speed on this device, stock against the fix"),
 }
 
 

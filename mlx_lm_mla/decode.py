@@ -62,10 +62,11 @@ def packed_cache(cache, latent):
     return None
 
 
-def latent_attention(queries, latent, scale, mask=None, read=None):
+def latent_attention(queries, latent, scale, mask=None, read=None, chunk=None):
     """``softmax(scale * q @ latent.T + mask) @ latent`` for ``queries`` (B, H, 1, D)
     over ``latent`` (B, 1, L, D); ``read``, where given, returns its rows instead
-    of slicing it (``_PackedLatent.latent_reader``)."""
+    of slicing it (``_PackedLatent.latent_reader``); ``chunk``: positions read at
+    a time (default ``chunk_size``)."""
     B, H, _, D = queries.shape
     L = latent.shape[2]
     dtype = compute_dtype(queries.dtype)
@@ -79,7 +80,7 @@ def latent_attention(queries, latent, scale, mask=None, read=None):
     if mask is not None:
         mask = mx.broadcast_to(mask, (B, H, 1, L)).transpose(0, 2, 3, 1)
     top = total = out = None
-    chunk = chunk_size(B, D, dtype)
+    chunk = chunk or chunk_size(B, D, dtype)
     for start in range(0, L, chunk):
         stop = min(start + chunk, L)
         # Read once the last chunk is done: fewer chunks in flight at a time.

@@ -5,8 +5,8 @@ a feature per module.
 
 import inspect
 
-from .. import decode, mla
-from .table import Patch, decode_feature, marks_feature
+from .. import decode, mla, prefill
+from .table import CHUNKS, Patch, decode_feature, marks_feature
 
 SDPA = "scaled_dot_product_attention"
 
@@ -37,6 +37,20 @@ def table():
         else:
             gone = f"{module}.{SDPA} (called by its MLA attention)"
             rows.append(Patch(module, gone, "unknown", None, feature))
+    return rows + chunk_rows(modules)
+
+
+def chunk_rows(modules):
+    """A chunk over a longer latent (``prefill.py``): the latent's expansions
+    are recognised where made, and attended in the latent instead."""
+    made = "mlx_lm.models.mla"
+    rows = [
+        Patch(made, f"{cls}.__call__", "wrap", prefill.recording_call, CHUNKS)
+        for cls in ("MultiLinear", "QuantizedMultiLinear")
+    ]
+    for module, attention in sorted(modules.items()):
+        if all(mla.calls(cls, SDPA) for cls in attention):
+            rows.append(Patch(module, SDPA, "wrap", prefill.folded_chunks, CHUNKS))
     return rows
 
 

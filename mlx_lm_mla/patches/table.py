@@ -15,6 +15,7 @@ REUSE = "prompt cache reuse guards"
 DISK = "prompt caches on disk"
 RECOVERY = "recovery after a failure"
 SAMPLING = "sampling guards"
+CHUNKS = "MLA chunks over a longer latent attended in the latent"
 # Not a patch: repro and tiny-model check the names they read before they run.
 TINY = "tiny models (repro, tiny-model)"
 

@@ -1,0 +1,181 @@
+"""``mlx-lm-mla bench``: decode side by side on this device, a row per variant
+on stdout, progress on stderr, every repetition in its JSON, a plot where
+matplotlib is installed and a clear refusal where it is not."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+import mlx_lm_mla
+from mlx_lm_mla import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--contexts", "256", "--batch", "1", "--repeats", "1"]
+SMALL += ["--steps", "1", "--warmup", "1"]
+
+
+def command(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_lm_mla", "bench", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    out = command(*SMALL, "--json", path)
+    assert out.returncode == 0, out.stderr
+    return out, json.loads(path.read_text())
+
+
+def printed_rows(stdout):
+    """The decode table's header and its rows, as cells."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("context"))
+    header = lines[start].split("  ")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.strip():
+            break
+        rows.append([c.strip() for c in line.split("  ") if c.strip()])
+    return [c.strip() for c in header if c.strip()], rows
+
+
+def labels():
+    return [bench.VARIANTS[v][0] for v in bench.offered_variants()]
+
+
+def test_the_table_has_a_row_per_variant_and_the_promised_columns(ran):
+    header, rows = printed_rows(ran[0].stdout)
+    assert header == [
+        "context",
+        "batch",
+        "variant",
+        "tokens/s",
+        "x stock",
+        "cache GB/s",
+        "transient MiB/layer",
+    ]
+    assert [r[2] for r in rows] == labels()
+    assert all(r[:2] == ["256", "1"] and len(r) == len(header) for r in rows)
+    assert rows[0][2:5:2] == ["stock bf16", "1.00"]
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
+
+
+def test_the_table_prints_the_jsons_medians(ran):
+    _, rows = printed_rows(ran[0].stdout)
+    data = ran[1]
+    assert [f"{r['tokens_per_s']:.2f}" for r in data["decode_rows"]] == [
+        r[3] for r in rows
+    ]
+    for row in data["decode_rows"]:
+        mine = [
+            r["tokens_per_s"]
+            for r in data["repetitions"]
+            if r["variant"] == row["variant"]
+        ]
+        assert row["tokens_per_s"] == statistics.median(mine)
+
+
+def test_the_json_names_the_device_and_the_versions(ran):
+    data = ran[1]
+    assert data["device"]["mlx_device"] == str(mx.default_device())
+    assert data["device"]["backend"] in ("cpu", "metal", "cuda")
+    assert data["device"]["name"]
+    versions = data["versions"]
+    assert (versions["mlx"], versions["mlx_lm"], versions["mlx_lm_mla"]) == (
+        mx.__version__,
+        mlx_lm.__version__,
+        mlx_lm_mla.__version__,
+    )
+    assert data["command"].startswith("mlx-lm-mla bench --contexts 256")
+
+
+def test_the_json_holds_every_repetition_of_every_variant(ran):
+    data = ran[1]
+    reps = data["repetitions"]
+    assert sorted(r["variant"] for r in reps) == sorted(bench.offered_variants())
+    for r in reps:
+        assert (r["kind"], r["context"], r["batch"], r["rep"]) == ("decode", 256, 1, 0)
+        assert r["tokens_per_s"] > 0 and r["cache_bytes"] > 0
+    # The quantized latent is what a step reads: fewer bytes than bf16's.
+    read = {r["variant"]: r["cache_bytes"] for r in reps}
+    assert read["ours4"] < read["ours8"] < read["ours"] == read["stock"]
+
+
+def test_progress_goes_to_stderr_and_only_the_tables_to_stdout(ran):
+    out = ran[0]
+    assert "bench" in out.stderr and "256" in out.stderr
+    assert "it/s" not in out.stdout and "\r" not in out.stdout
+
+
+def test_plot_without_matplotlib_is_refused_before_any_run(tmp_path):
+    blocked = tmp_path / "blocked" / "matplotlib"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocked.parent))
+    out = command(*SMALL, "--json", tmp_path / "b.json", "--plot", "b.png", env=env)
+    assert out.returncode == 2
+    assert "--plot needs matplotlib" in out.stderr
+    assert "mlx-lm-mla[plot]" in out.stderr
+    assert not (tmp_path / "b.json").exists() and out.stdout == ""
+
+
+def test_plot_draws_a_line_per_variant_against_context(ran, monkeypatch, tmp_path):
+    drawn, saved = [], []
+
+    class Axes:
+        def plot(self, x, y, marker=None, label=None):
+            drawn.append((label, list(x), list(y)))
+
+        def __getattr__(self, name):  # titles, labels, scale, legend
+            return lambda *a, **k: None
+
+    class Figure:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi=None):
+            saved.append(path)
+
+    pyplot = types.SimpleNamespace(
+        subplots=lambda rows, cols, **k: (Figure(), [[Axes() for _ in range(cols)]]),
+        close=lambda figure: None,
+    )
+    matplotlib = types.SimpleNamespace(use=lambda backend: None, pyplot=pyplot)
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    rows = ran[1]["decode_rows"]
+    bench.plot(rows, tmp_path / "p.png")
+    assert saved == [tmp_path / "p.png"]
+    assert [label for label, _, _ in drawn] == labels()
+    assert all(x == [256] for _, x, _ in drawn)
+    assert [y[0] for _, _, y in drawn] == [r["tokens_per_s"] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--contexts", "1k"], "--contexts: '1k' is not a comma-separated list"),
+        (["--batch", "0"], "--batch: '0': give positive integers"),
+        (["--variants", "ours5"], "unknown variant(s) ours5"),
+        (["--model", "no/such/folder"], "not a local mlx-lm model folder"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(args, message):
+    out = command(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
