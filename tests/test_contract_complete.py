@@ -58,6 +58,10 @@ HOLDS = {
     "<mla>.scaled_dot_product_attention(cache)": "<cache>",
     "<mla>.scaled_dot_product_attention(scale)": None,
     "<mla>.scaled_dot_product_attention(mask)": None,
+    "<mla>.__call__(x)": None,  # MultiLinear's input and output: arrays
+    "<mla>.__call__()": None,
+    "mlx_lm.load()[0]": "<model>",
+    "mlx_lm.load()[1]": None,
     f"{CACHE}.make_prompt_cache(model)": "<model>",
     f"{CACHE}.make_prompt_cache()": "list:<cache>",
     f"{CACHE}.save_prompt_cache(file_name)": None,

@@ -442,6 +442,11 @@ NAMES = (
         "mlx_lm",
         (TINY,),
         ("load", Method(("path_or_hf_repo",)), "a tiny model is loaded back"),
+        (
+            "load()",
+            Unpacked("main", ("model", "tokenizer"), GENERATE),
+            "bench and the tiny tools take the model it loads",
+        ),
     ),
     *_rows(
         CACHE,
