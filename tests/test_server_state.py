@@ -125,16 +125,17 @@ def test_two_servers_in_one_process_keep_their_own_tier_kv_bits_and_requests(
             assert sa is not sb and sa.tier is not None and sb.tier is not None
             assert sa.tier.folder != sb.tier.folder
             a.chat("Which file holds the parser?")
-            b.chat("Which file holds the parser?")
+            b.chat("Which file holds the tokenizer and its tests?")
         finally:
             b.stop()
     finally:
         a.stop()
     for s in (sa, sb):  # closed: nothing left open, the tier handed back
         assert len(s.requests) == 0 and not s.open_replies and s.tier is None
-    # Each server wrote its conversation to its own folder, and only there.
+    # Each server wrote its own conversation to its own folder, and only there
+    # (a file's name follows its tokens: two conversations, two names).
     a_rows, b_rows = stored_rows(tmp_path / "a"), stored_rows(tmp_path / "b")
-    assert a_rows and b_rows and not {n for n, _ in a_rows} & {n for n, _ in b_rows}
-    assert sorted(t for _, t in a_rows) == sorted(t for _, t in b_rows)
+    assert len(a_rows) == 1 and len(b_rows) == 1
+    assert a_rows[0][0] != b_rows[0][0] and a_rows[0][1] != b_rows[0][1]
     if kv_bits:  # only A's loop quantized its caches (4-bit latents): under half
         assert 2 * a.lru.nbytes < b.lru.nbytes
