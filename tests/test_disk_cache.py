@@ -658,7 +658,8 @@ def test_a_crash_while_writing_leaves_the_directory_whole(
     # Killed between writing and renaming, or renaming and committing: a
     # temporary file, or a file without its row, until the next open.
     assert crash == "kill" or not consistent(folder)
-    tier = tiers()  # opening it sweeps what the crash left
+    tier = tiers()
+    tier.flush()  # the writer's first job sweeps what the crash left
     assert consistent(folder)
     for start in range(done):
         assert tier.restore(key, prompt(300, start) + [5], 0) is not None
@@ -684,7 +685,7 @@ def test_a_temporary_file_of_a_dead_process_is_swept_even_where_its_pid_lives_ag
     proc = child(folder, key[0], 0, 1, 1 << 30, "fsync:1", os.getpid())
     assert proc.wait(timeout=600) == -signal.SIGKILL
     assert len(temp_files(folder)) == 1
-    tiers()
+    tiers().flush()  # the sweep: the writer's first job
     assert consistent(folder)
 
 

@@ -245,6 +245,7 @@ def unwritten(job):
         "touch": "the time a cache file was last used",
         "delete": f"the removal of the index row of {job[1]}",
         "changed": "the removal of the caches of a model whose files changed",
+        "sweep": "the removal of what a crash left, at start",
         "shrink": "the eviction down to the bound at start",
     }.get(job[0], job[0])
 
@@ -294,17 +295,13 @@ class DiskTier:
             with maintenance(self.folder):
                 open_index(self.folder, self.index)
                 self.presence = Presence(self.folder)
-                try:
-                    with self.index.transaction() as db:
-                        sweep(self.folder, db, self.presence)
-                except BaseException:
-                    self.presence.release()
-                    raise
         self._pending, self._writes, self._lock = pending, 0, threading.Lock()
         self._closing = False
         self._queue = queue.Queue()
-        # A bound lowered since the last start: the writer's first job, so a
-        # large eviction never keeps the server from listening.
+        # What a crash left, then a bound lowered since the last start: the
+        # writer's first jobs, so neither keeps the server from listening (a
+        # restore meanwhile refuses a row whose file is gone).
+        self._queue.put(("sweep",))
         self._queue.put(("shrink",))
         self._writer = threading.Thread(
             target=self._write_loop, name="mlx-lm-mla disk tier", daemon=True
@@ -571,6 +568,10 @@ class DiskTier:
                 "the next start builds it again"
             )
         logger.warning("mlx-lm-mla: prompt caches on disk are off: %s", self.off)
+
+    def _sweep(self):
+        with maintenance(self.folder), self.index.transaction() as db:
+            sweep(self.folder, db, self.presence)
 
     def _shrink(self):
         """Evicts down to the bound in steps of at most ``SHRINK_STEP`` files, so
