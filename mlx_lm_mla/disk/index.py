@@ -135,6 +135,9 @@ class Index:
                 isolation_level=None,
                 check_same_thread=False,
             )
+            # Room for an eviction's pages (its rows' blocks lie all over the
+            # index): SQLite's default 2 MB made a large one re-read them.
+            db.execute("PRAGMA cache_size = -65536")
             self._local.db = db
             self._all.append(db)
         return db
