@@ -10,8 +10,6 @@ here, so each benchmark installs (or not) explicitly and measures this tree.
 """
 
 import json
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -29,6 +27,9 @@ for _name in [
 sys.meta_path[:] = [
     f for f in sys.meta_path if type(f).__module__ != "mlx_lm_mla.importhook"
 ]
+
+# One copy of what every run records, `mlx-lm-mla bench`'s.
+from mlx_lm_mla.bench import git_state, load_average, table, versions  # noqa: E402, F401
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -89,54 +90,12 @@ def glm_attention_model(layers, dtype, hidden_size=256, q_lora_rank=64, moe=Fals
     return tiny.build_model("glm4_moe_lite", dtype=dtype, **overrides)
 
 
-def versions():
-    import mlx.core as mx
-    import mlx_lm
-
-    import mlx_lm_mla
-
-    return {
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "mlx_lm_mla": mlx_lm_mla.__version__,
-        "mlx_lm_mla_path": str(Path(mlx_lm_mla.__file__).parent),
-        "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus",
-        "device": str(mx.default_device()),
-    }
-
-
-def git_state():
-    """The commit measured, and whether the package has uncommitted changes."""
-    import subprocess
-
-    def git(*a):
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "package_changes_uncommitted": git("status", "--porcelain", "--", "mlx_lm_mla"),
-    }
-
-
 def cache_arrays(cache):
     """Every array in a cache's state (what save_prompt_cache stores)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     return [x for _, x in tree_flatten(cache.state) if isinstance(x, mx.array)]
-
-
-def load_average():
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def active_memory():
@@ -168,30 +127,6 @@ def write_json(path, name, args, payload, started):
     with open(path, "w") as f:
         json.dump(doc, f, indent=2, default=str)
     return path
-
-
-def table(rows, columns, file=None):
-    """Prints rows (dicts) as an aligned text table. columns: (key, title, fmt)."""
-    cells = [[title for _, title, _ in columns]]
-    for r in rows:
-        line = []
-        for key, _, fmt in columns:
-            v = r.get(key)
-            line.append("-" if v is None else (fmt.format(v) if fmt else str(v)))
-        cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    out = file or sys.stdout
-    for n, line in enumerate(cells):
-        print(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(line, widths))
-            ),
-            file=out,
-        )
-        if n == 0:
-            print("  ".join("-" * w for w in widths), file=out)
-    out.flush()
 
 
 def progress(iterable=None, total=None, desc=None):
