@@ -129,3 +129,27 @@ def test_a_sigterm_handler_the_tier_did_not_set_is_left_alone(tmp_path):
         assert signal.getsignal(signal.SIGTERM) is theirs
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class FailingClose:
+    """A tier whose close fails (a full disk, a stuck writer)."""
+
+    closed = False
+
+    def close(self):
+        raise OSError("no space left on device")
+
+
+def test_sigterm_is_handed_on_even_where_committing_the_queued_writes_fails(
+    monkeypatch,
+):
+    raised = []
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    stop = hooks._SigtermStop(FailingClose())
+    try:
+        with pytest.raises(OSError):
+            stop.end()
+    finally:
+        stop.remove()
+    assert raised == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -139,3 +139,14 @@ def test_two_servers_in_one_process_keep_their_own_tier_kv_bits_and_requests(
     assert a_rows[0][0] != b_rows[0][0] and a_rows[0][1] != b_rows[0][1]
     if kv_bits:  # only A's loop quantized its caches (4-bit latents): under half
         assert 2 * a.lru.nbytes < b.lru.nbytes
+
+
+def test_nothing_is_bound_to_a_request_already_closed():
+    requests = served.Requests()
+    request, args = object(), object()
+    state = requests.open(request)
+    assert requests.bind_to(request, args) is state
+    assert requests.get(args) is state
+    requests.close(request)
+    assert requests.bind_to(request, object()) is None
+    assert len(requests) == 0

@@ -211,11 +211,16 @@ class _SigtermStop:
         """Commits the queued writes, then hands SIGTERM on (from either thread:
         the first to come ends the process)."""
         with self._ending:
-            self.tier.close()
-            logger.info(
-                "mlx-lm-mla: prompt caches on disk committed; stopping on SIGTERM"
-            )
-            signal.raise_signal(signal.SIGTERM)
+            try:
+                self.tier.close()
+                logger.info(
+                    "mlx-lm-mla: %s on SIGTERM",
+                    "prompt caches on disk committed; stopping"
+                    if self.tier.closed
+                    else "stopping before the queued prompt caches were written",
+                )
+            finally:  # the process ends whatever the close did
+                signal.raise_signal(signal.SIGTERM)
 
     def remove(self):
         """Puts the replaced handler back, where ours is still the one set."""

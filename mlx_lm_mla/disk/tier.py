@@ -570,6 +570,8 @@ class DiskTier:
         logger.warning("mlx-lm-mla: prompt caches on disk are off: %s", self.off)
 
     def _sweep(self):
+        if self._closing:  # stopped at once: the next start sweeps
+            return
         with maintenance(self.folder), self.index.transaction() as db:
             sweep(self.folder, db, self.presence)
 
@@ -629,10 +631,15 @@ class DiskTier:
         self._closing = True
         self._queue.put(None)
         self._writer.join(timeout)
-        if not self._writer.is_alive():
+        if self.closed:
             if self.presence:
                 self.presence.release()
             self.index.close()
+
+    @property
+    def closed(self):
+        """Whether ``close`` ran and the writer finished every queued write."""
+        return self._closing and not self._writer.is_alive()
 
     def total_bytes(self):
         return self.index.total_bytes()

@@ -120,10 +120,8 @@ def checked_tokenize(original, server):
 
     def _tokenize(self, tokenizer, request, args, *rest, **kwargs):
         result = original(self, tokenizer, request, args, *rest, **kwargs)
-        requests = served.of(self.model_provider).requests
-        state = requests.get(request)
-        if state is not None:  # the sampler and processors find it by args
-            requests.bind(args, state)
+        # The sampler and processors find the request's state by its args.
+        state = served.of(self.model_provider).requests.bind_to(request, args)
         problem = tokens_problem(self, server, tokenizer, args, result[0], state)
         if problem:
             if state is not None:  # its handler answers 400, not upstream's 404

@@ -61,6 +61,15 @@ class Requests:
         with self._lock:
             return next((s for o, s in self._bound if o is obj), None)
 
+    def bind_to(self, request, obj) -> Optional[RequestState]:
+        """Binds ``obj`` to ``request``'s state while the request is open, in
+        one step: a close between a lookup and a bind would leave it bound."""
+        with self._lock:
+            state = next((s for o, s in self._bound if o is request), None)
+            if state is not None:
+                self._bound.append((obj, state))
+            return state
+
     def close(self, request):
         """Forgets the request and every object bound to its state."""
         state = self.get(request)
