@@ -1,7 +1,7 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla.activate import disabled
@@ -63,6 +63,19 @@ def swap_layers_in_header(raw):
 def pytest_configure(config):
     # .ci/run runs the soaks at one leg (-m soak); the README's command does not.
     config.addinivalue_line("markers", "soak: a long soak test")
+
+
+def left_padded_batch(model, prompts):
+    """Each prompt prefilled alone, then the caches merged into one batch (the
+    shorter ones left-padded), as BatchGenerator joins rows."""
+    caches = []
+    for p in prompts:
+        c = make_prompt_cache(model)
+        model(mx.array([p]), cache=c)
+        caches.append(c)
+    return [
+        BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))
+    ]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,14 +9,14 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla import decode, decode_cuda, mla, patches
 from mlx_lm_mla.cache import _PackedLatent
 from mlx_lm_mla import tiny
 
-from conftest import step_logits
+from conftest import left_padded_batch, step_logits
 
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(150)]
 PREFILL = 70
@@ -107,14 +107,7 @@ def test_a_batch_with_left_padding_decodes_as_stock(installed, small_chunks, cal
     prompts = [TOKENS[:90], TOKENS[20:60]]
 
     def batch_logits():
-        caches = []
-        for p in prompts:
-            c = make_prompt_cache(model)
-            model(mx.array([p]), cache=c)
-            caches.append(c)
-        batch = [
-            BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))
-        ]
+        batch = left_padded_batch(model, prompts)
         return mx.concatenate(
             [model(mx.array([[t], [t + 1]]), cache=batch) for t in TOKENS[100:110]],
             axis=1,

@@ -363,6 +363,18 @@ def child():
             proc.wait()
 
 
+def filled(tiers, key, files):
+    """Stores ``files`` caches of 300 tokens in a tier, then closes it; returns
+    one file's size."""
+    tier = tiers()
+    for start in range(files):
+        tier.store(key, prompt(300, start), random_cache(300, seed=start))
+        tier.flush()
+    size = tier.total_bytes() // files
+    tier.close()
+    return size
+
+
 def stored(tiers, key, n=300, start=0, **kwargs):
     tier = tiers(**kwargs)
     tier.store(key, prompt(n, start), random_cache(n, seed=start))
@@ -570,12 +582,7 @@ def test_the_folder_stays_under_its_bound_by_evicting_the_least_recently_used(
 
 def test_a_lower_bound_shrinks_the_folder_at_start(tiers, tmp_path, caplog):
     key = fake_model(tmp_path / "model")
-    tier = tiers()
-    for start in range(3):
-        tier.store(key, prompt(300, start), random_cache(300, seed=start))
-        tier.flush()
-    size = tier.total_bytes() // 3
-    tier.close()
+    size = filled(tiers, key, 3)
     with caplog.at_level(logging.INFO):
         smaller = tiers(max_bytes=int(size * 1.5))
         smaller.flush()  # the writer's first job, once the server listens

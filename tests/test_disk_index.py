@@ -21,6 +21,7 @@ from test_disk_cache import (
     caches,
     consistent,
     fake_model,
+    filled,
     rows,
     stored,
     warnings_of,
@@ -99,12 +100,7 @@ def test_an_eviction_at_start_is_one_statement_on_the_writers_thread(
     tiers, tmp_path, statements
 ):
     key = fake_model(tmp_path / "model")
-    tier = tiers()
-    for start in range(5):
-        tier.store(key, prompt(300, start), random_cache(300, seed=start))
-        tier.flush()
-    size = tier.total_bytes() // 5
-    tier.close()
+    size = filled(tiers, key, 5)
     statements.clear()
     opened = threading.current_thread().name
     smaller = tiers(max_bytes=int(size * 1.5))
@@ -147,12 +143,7 @@ def test_an_index_of_the_previous_schema_is_migrated_not_rebuilt(
     tiers, tmp_path, caplog
 ):
     key = fake_model(tmp_path / "model")
-    tier = tiers()
-    for start in range(3):
-        tier.store(key, prompt(300, start), random_cache(300, seed=start))
-        tier.flush()
-    size = tier.total_bytes() // 3
-    tier.close()
+    size = filled(tiers, key, 3)
     to_previous_schema(caches(tmp_path / "caches") / INDEX)
     with caplog.at_level(logging.INFO):
         tier = tiers(max_bytes=int(size * 2.5))

@@ -7,8 +7,9 @@ import importlib
 
 import mlx.core as mx
 import pytest
+from conftest import left_padded_batch
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla import decode, decode_cuda, prefill, tiny
@@ -175,14 +176,7 @@ def test_a_batch_with_left_padding_gives_stocks_logits(installed, small_chunks, 
     prompts = [TOKENS[:190], TOKENS[20:120]]
 
     def batch_logits():
-        caches = []
-        for p in prompts:
-            c = make_prompt_cache(model)
-            model(mx.array([p]), cache=c)
-            caches.append(c)
-        batch = [
-            BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))
-        ]
+        batch = left_padded_batch(model, prompts)
         return model(mx.array([TOKENS[200:206], TOKENS[300:306]]), cache=batch)
 
     mlx_lm_mla.uninstall()
