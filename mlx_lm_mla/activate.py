@@ -35,6 +35,21 @@ def _activate(mlx_lm):
         getLogger("mlx_lm_mla").info(
             "mlx-lm-mla %s active (%d patches)", __version__, len(patched)
         )
+        _check_settings()
+
+
+def _check_settings():
+    """A bad MLX_LM_MLA_DECODE named when the process starts, not first at a
+    request's decode step (which still refuses it)."""
+    from .decode import decode_path
+
+    try:
+        decode_path()
+    except ValueError as e:
+        warnings.warn(
+            f"mlx-lm-mla: {e}; every MLA decode step raises this until it is set right",
+            RuntimeWarning,
+        )
 
 
 def watch():

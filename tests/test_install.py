@@ -105,3 +105,17 @@ def test_the_server_is_guarded_when_imported_and_not_imported_before():
         "import mlx_lm.server; print(server())"
     )
     assert run_fresh(code) == ["False", "False", "True"]
+
+
+def test_a_bad_decode_setting_is_named_when_mlx_lm_is_imported():
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, "MLX_LM_MLA_DECODE": "fastest"},
+    )
+    # Still active: a decode step refuses the setting with the same words.
+    assert out.returncode == 0 and int(out.stdout.split()[1]) > 0, out.stderr
+    assert "MLX_LM_MLA_DECODE='fastest' is not a decode path" in out.stderr
