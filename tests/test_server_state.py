@@ -5,8 +5,10 @@ import argparse
 import sqlite3
 import sys
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 
 from mlx_lm_mla.disk import hooks
@@ -150,3 +152,59 @@ def test_nothing_is_bound_to_a_request_already_closed():
     requests.close(request)
     assert requests.bind_to(request, object()) is None
     assert len(requests) == 0
+
+
+class Recorded(set):
+    """A server's open replies: each the loop opens puts its first token, then
+    waits until the handler has ended the request (its context stopped): a
+    handler's failure that overtakes the loop between a token and its check."""
+
+    def __init__(self):
+        super().__init__()
+        self.added, self.contexts = [], []
+
+    def add(self, replies):
+        self.added.append(replies)
+        super().add(replies)
+        put = replies.queue.put
+
+        def put_then_wait(item, *args, **kwargs):
+            put(item, *args, **kwargs)
+            if hasattr(item, "token"):
+                while not self.contexts[0]._should_stop:
+                    time.sleep(0.01)  # the handler's thread runs on
+
+        replies.queue = SimpleNamespace(put=put_then_wait, queue=replies.queue)
+
+
+def test_a_request_whose_handler_failed_is_owed_nothing(
+    installed, model_path, monkeypatch
+):
+    args = command_line(monkeypatch, "--model", model_path)
+    s = Serving(args)
+    try:
+        owed = served.of(s.provider).open_replies = Recorded()
+        generate = s.generator.generate
+
+        def fails_after_the_first_token(*a, **k):
+            ctx, response = generate(*a, **k)
+            owed.contexts.append(ctx)
+
+            def replies():
+                yield next(iter(response))
+                raise ValueError("the handler failed")
+
+            return ctx, replies()
+
+        monkeypatch.setattr(s.generator, "generate", fails_after_the_first_token)
+        # One step a round: the loop drops stopped rows after each step.
+        monkeypatch.setattr(s.generator, "_time_budget", [None])
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000}
+        status, reply = post_json(s.port, "/v1/chat/completions", body)
+        assert status == 500 and "the handler failed" in reply["error"]
+    finally:
+        s.stop()  # joins the handler's thread and the loop
+    # Upstream dropped the stopped row after the token the handler read, with
+    # no None: the request is still owed nothing.
+    (replies,) = owed.added
+    assert list(replies.queue.queue.queue) == [] and not owed

@@ -197,7 +197,8 @@ def guarded_completion(original):
             problem = f"{where} must be a finite number, not NaN or infinity"
         if problem:
             return _reply(self, 400, problem)
-        requests = served.of(self.response_generator.model_provider).requests
+        server = served.of(self.response_generator.model_provider)
+        requests = server.requests
         state = requests.open(request)
         requests.bind(self, state)  # its header setter finds it by the handler
         body = self.body
@@ -226,6 +227,7 @@ def guarded_completion(original):
                 pass  # the client is gone
         finally:
             requests.close(request)
+            server.close_replies(state)
 
     handle_completion.mlx_lm_mla_original = original
     return handle_completion

@@ -90,6 +90,13 @@ class ServerState:
         self.last_key = None  # the loop's random key before its last guarded call
         self.tier = None  # its DiskTier while mlx_lm.server.run runs (disk.hooks)
 
+    def close_replies(self, state):
+        """The loop owes a request nothing once its handler has ended: upstream
+        drops the row of a stopped context without a final None."""
+        for replies in list(self.open_replies):  # copied at once: the loop adds
+            if replies.state is state:
+                self.open_replies.discard(replies)
+
 
 def of(model_provider) -> ServerState:
     """The state of the server whose ``ModelProvider`` this is, made at first use."""
