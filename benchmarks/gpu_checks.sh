@@ -12,7 +12,7 @@ py=${PYTHON:-python3}
 if [ -n "${QUICK:-}" ]; then
     contexts="1024 2048"; batches="1 2"; context=2048; steps=8; start=512
 else
-    contexts="4096 32768 131072"; batches="1 8"; context=32768; steps=256; start=4096
+    contexts="1024 4096 16384 32768 131072"; batches="1 8"; context=32768; steps=256; start=4096
 fi
 $py -c "import mlx.core as mx, mlx_lm; print(mx.default_device(), mx.__version__, mlx_lm.__version__)" | tee "$out/device.txt"
 $py -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_decode_cuda.py tests/test_fidelity.py tests/test_latent.py \
