@@ -378,7 +378,37 @@ def disk_index(data, table=None):
     )
 
 
+def cpu_rule(data, table=None):
+    """The fold against stock's attention on the same bf16 cache at short
+    contexts: one layer's attention (default) or the whole model (``model``)."""
+    kind, key = (
+        ("decode_rows", "tokens_per_s")
+        if table == "model"
+        else (
+            "attention_rows",
+            "ms",
+        )
+    )
+    got = {(r["context"], r["batch"], r["variant"]): r for r in data[kind]}
+    unit = "tokens/s" if table == "model" else "ms"
+    header = ["positions", "batch", f"stock {unit}", f"fold {unit}", "fold x stock"]
+    rows = [
+        (
+            f"{c:,}",
+            b,
+            f"{got[c, b, 'stock'][key]:.2f}",
+            f"{r[key]:.2f}",
+            f"{r['ratio' if table == 'model' else 'speed']:.2f}",
+        )
+        for (c, b, v), r in got.items()
+        if v == "ours"
+    ]
+    settings = "".join(f"{k}={v}, " for k, v in data.get("settings", {}).items())
+    return rows_table(header, rows) + f"\n{settings}" + run_line(data)
+
+
 RENDER = {
+    "cpu_rule": cpu_rule,
     "disk_fingerprint": disk_fingerprint,
     "disk_index": disk_index,
     "disk_lookup": disk_lookup,

@@ -429,6 +429,7 @@ def run(args):
         "versions": versions(),
         "device": device(),
         "git": git_state(),
+        "settings": settings(),
         "args": args_out,
         "model": dict(about, layers=layers),
         "load_average_1min_at_start": load_at_start,
@@ -549,7 +550,9 @@ def report(result, decode_columns=DECODE_COLUMNS):
     print(
         f"decode: {result['model']['model']}; device {result['device']['name']}; "
         f"median of {args['repeats']}, variants interleaved, {args['steps']} steps "
-        f"after {args['warmup']}; cache GB/s: cache bytes a step reads / its time\n"
+        f"after {args['warmup']}; cache GB/s: cache bytes a step reads / its time"
+        + "".join(f"; {k}={v}" for k, v in result.get("settings", {}).items())
+        + "\n"
     )
     table(result["decode_rows"], decode_columns)
     if result["attention_rows"]:
@@ -662,6 +665,20 @@ def load_average():
         return None
 
 
+# The package's settings that change what a run measures (docs/decode.md).
+SETTINGS = ("MLX_LM_MLA_DECODE", "MLX_LM_MLA_CUDA_KERNEL")
+
+
+def settings():
+    return {name: os.environ[name] for name in SETTINGS if name in os.environ}
+
+
+def command_line(argv):
+    """The command as run, with the settings it ran under: enough to repeat it."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in settings().items()]
+    return " ".join(words + ["mlx-lm-mla", "bench", *map(shlex.quote, argv)])
+
+
 def write_json(result, path, command):
     doc = {"command": command, **result}
     Path(path).write_text(json.dumps(doc, indent=2, default=str))
@@ -674,7 +691,7 @@ def main(argv=None):
     check_args(p, args)
     result = run(args)
     report(result)
-    command = " ".join(["mlx-lm-mla", "bench", *map(shlex.quote, argv)])
+    command = command_line(argv)
     if args.json:
         write_json(result, args.json, command)
         print(f"\nwrote {args.json}")

@@ -179,3 +179,16 @@ def test_bad_arguments_are_refused_by_name(args, message):
     out = command(*args)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_the_settings_a_run_measured_under_are_in_its_command(monkeypatch):
+    monkeypatch.setenv("MLX_LM_MLA_DECODE", "fold")
+    monkeypatch.delenv("MLX_LM_MLA_CUDA_KERNEL", raising=False)
+    assert bench.settings() == {"MLX_LM_MLA_DECODE": "fold"}
+    assert bench.command_line(["--contexts", "16"]) == (
+        "MLX_LM_MLA_DECODE=fold mlx-lm-mla bench --contexts 16"
+    )
+
+
+def test_a_run_without_settings_records_the_plain_command(ran):
+    assert ran[1]["settings"] == {} and ran[1]["command"].startswith("mlx-lm-mla")
