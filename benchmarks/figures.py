@@ -403,8 +403,12 @@ def cpu_rule(data, table=None):
         for (c, b, v), r in got.items()
         if v == "ours"
     ]
-    settings = "".join(f"{k}={v}, " for k, v in data.get("settings", {}).items())
-    return rows_table(header, rows) + f"\n{settings}" + run_line(data)
+    settings = ", ".join(f"{k}={v}" for k, v in data.get("settings", {}).items())
+    return (
+        rows_table(header, rows)
+        + f"\nSettings: {settings or 'none'}. "
+        + run_line(data)
+    )
 
 
 RENDER = {
