@@ -349,8 +349,9 @@ def kernel_agrees(kind, batch=2):
     which rounds to the model's dtype where the kernel keeps float32."""
     H, D, dtype, fmt, mask_dtype = kind
     groups = -(-H // decode_cuda.heads_per_block(H))
-    blocks = -(-decode_cuda.BLOCKS // (batch * groups))
-    L = 3 * decode_cuda.TILE * blocks + 5
+    # The blocks of a long step on this GPU, three tiles each (the last partial).
+    blocks = decode_cuda.splits(batch, groups, 1 << 30, decode_cuda.sm_count())
+    L = 3 * decode_cuda.TILE * blocks - 5
     k = mx.random.split(mx.random.key(0), 3)
     q = mx.random.normal((batch, H, 1, D), key=k[0]).astype(dtype)
     rows = mx.random.normal((batch, 1, L, D), key=k[1])

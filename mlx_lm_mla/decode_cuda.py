@@ -3,11 +3,13 @@
 Each thread block takes one sequence, a group of heads and a share of the
 positions; it decodes a tile of latent rows (packed bytes, scales and biases, or
 exact values) into shared memory once for all its heads, and keeps a running
-softmax. Blocks write their partial outputs; a few MLX ops combine them.
+softmax. The blocks a step are sized to the GPU's SMs (``splits``), and a
+second kernel joins their partial outputs (``COMBINE``).
 ``decode.reference_attention`` is its reference; ``decode.attend`` serves a
 step by it only where it agreed and ran fastest, else by stock or the fold.
 """
 
+import ctypes
 import logging
 import math
 import os
@@ -19,7 +21,12 @@ log = logging.getLogger(__name__)
 # Off with MLX_LM_MLA_CUDA_KERNEL=0 (or by setting ENABLED), e.g. to compare.
 ENABLED = os.environ.get("MLX_LM_MLA_CUDA_KERNEL", "1") != "0"
 TILE = 16  # positions decoded into shared memory at a time
-BLOCKS = 512  # blocks a step aims for, a few per SM of a large GPU
+# Blocks a step per SM: one block (256 threads at ~164 registers) is resident
+# on an SM at a time, so a second wave adds no concurrency, only partials.
+WAVES = 1
+# The CUDA driver, asked once for the SM count (Linux, then Windows).
+DRIVERS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+_SMS = []
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 # Value d of a latent row as the model sees it: exact rows hold it, quantized
@@ -303,9 +310,38 @@ SOURCE = """
   }
 """
 
+# A thread a column of one (sequence, head)'s output: each split's partial
+# output weighed by its share of the softmax, every partial read once. A split
+# whose positions are all masked (maximum LOW) weighs nothing beside one that
+# has any; where every split is all masked, all weigh alike, as in SOURCE.
+COMBINE = """
+  constexpr float LOW = -3.402823466e38f;
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  const int H = ml_shape[1];
+  const int splits = ml_shape[2];
+  const int64_t head = (int64_t)blockIdx.z * H + blockIdx.y;
+  const float* m = ml + head * splits * 2;
+  const float* part = o + head * splits * D + d;
+  float top = LOW;
+  for (int s = 0; s < splits; ++s) {
+    top = fmaxf(top, m[2 * s]);
+  }
+  float total = 0.0f;
+  float sum = 0.0f;
+#pragma unroll 4
+  for (int s = 0; s < splits; ++s) {
+    const float w = expf(m[2 * s] - top);
+    total += m[2 * s + 1] * w;
+    sum += part[(int64_t)s * D] * w;
+  }
+  out[head * D + d] = OT(sum / total);
+"""
+
 INPUTS = ["q", "x", "v", "mask"]
 OUTPUTS = ["o", "ml"]
-_kernels = {}  # shared memory bytes -> kernel
+COMBINE_INPUTS = ["o", "ml"]
+COMBINE_OUTPUTS = ["out"]
+_kernels = {}  # shared memory bytes (or "combine") -> kernel
 
 
 def available():
@@ -331,11 +367,65 @@ def heads_per_block(heads):
     return next(n for n in (32, 16, 8, 4, 2, 1) if heads % n == 0)
 
 
-def prepare(queries, latent, scale, mask=None, packed=None):
+def sm_count():
+    """The streaming multiprocessors of the GPU that MLX runs on, asked of the
+    CUDA driver once a process (MLX does not give the count)."""
+    if not _SMS:
+        _SMS.append(_driver_sm_count())
+    return _SMS[0]
+
+
+def _driver_sm_count():
+    for name in DRIVERS:
+        try:
+            driver = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(
+            "the CUDA driver (libcuda) cannot be loaded, so the decode kernel's "
+            "blocks cannot be sized to the GPU's SMs"
+        )
+
+    def call(name, *args):
+        status = getattr(driver, name)(*args)
+        if status:
+            raise RuntimeError(f"the CUDA driver's {name} returned error {status}")
+
+    device, value = ctypes.c_int(), ctypes.c_int()
+    call("cuInit", 0)
+    # MLX's device by its PCI address; with one GPU, that one.
+    bus = getattr(mx, "device_info", dict)().get("pci_bus_id")
+    if bus:
+        call("cuDeviceGetByPCIBusId", ctypes.byref(device), bus.encode())
+    else:
+        call("cuDeviceGetCount", ctypes.byref(value))
+        if value.value != 1:
+            raise RuntimeError(
+                f"{value.value} GPUs and MLX names none by its PCI address: the "
+                "decode kernel cannot tell which GPU's SMs to size its blocks to"
+            )
+        call("cuDeviceGet", ctypes.byref(device), 0)
+    call("cuDeviceGetAttribute", ctypes.byref(value), 16, device)  # SM count
+    return value.value
+
+
+def splits(batch, groups, tiles, sms):
+    """How many shares of its positions (whole tiles each) each sequence and
+    head group takes: as many as fill ``WAVES`` blocks an SM, so a step runs
+    in whole waves and writes as few partial outputs as keep every SM busy;
+    one where the sequences and head groups alone fill the SMs."""
+    wanted = max(1, WAVES * sms // (batch * groups))
+    per = math.ceil(tiles / min(wanted, tiles))
+    return math.ceil(tiles / per)
+
+
+def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
     """The kernel's inputs, template, grid, block and shared memory for
     ``decode.latent_attention``'s arguments (``packed``: the cache's keys,
     values and format, as ``latent_bytes`` gives them), or None where the kernel
-    has no variant for them."""
+    has no variant for them. ``sms``: the GPU's SM count (``sm_count()``)."""
     B, H, _, D = queries.shape
     L = latent.shape[2]
     NT = threads(D)
@@ -350,6 +440,7 @@ def prepare(queries, latent, scale, mask=None, packed=None):
         NT is None
         or bits not in (0, 2, 4, 8)
         or dtype not in DTYPES
+        or queries.dtype not in DTYPES
         or D % group_size
         or (mask is not None and mask.dtype not in DTYPES + (mx.bool_,))
     ):
@@ -366,9 +457,7 @@ def prepare(queries, latent, scale, mask=None, packed=None):
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
     # Whole tiles a block, as the kernel shares them out: no block left idle.
-    tiles = math.ceil(L / TILE)
-    per = math.ceil(tiles / max(1, min(math.ceil(BLOCKS / (B * groups)), tiles)))
-    splits = math.ceil(tiles / per)
+    parts = splits(B, groups, math.ceil(L / TILE), sms or sm_count())
     template = [
         ("D", D),
         ("HB", HB),
@@ -386,21 +475,26 @@ def prepare(queries, latent, scale, mask=None, packed=None):
     return dict(
         inputs=[q, x, v, mask],
         template=template,
-        grid=(splits * NT, groups, B),
+        grid=(parts * NT, groups, B),
         threadgroup=(NT, 1, 1),
         shared_memory=4 * (TILE * (D + 1) + HB * TILE + 3 * HB),
-        output_shapes=[(B, H, splits, D), (B, H, splits, 2)],
+        output_shapes=[(B, H, parts, D), (B, H, parts, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
 
 
-def combine(o, ml, dtype):
-    """Each split's output weighed by its share of the softmax: (B, H, 1, D)."""
-    top = ml[..., 0].max(axis=-1, keepdims=True)
-    weights = mx.exp(ml[..., 0] - top)
-    total = (ml[..., 1] * weights).sum(axis=-1, keepdims=True)
-    out = (o * weights[..., None]).sum(axis=-2, keepdims=True)
-    return (out / total[..., None]).astype(dtype)
+def prepare_combine(o, ml, dtype):
+    """``COMBINE``'s launch for the kernel's partial outputs: the attention,
+    (B, H, 1, D) in ``dtype``."""
+    B, H, _, D = o.shape
+    return dict(
+        inputs=[o, ml],
+        template=[("D", D), ("OT", dtype)],
+        grid=(D, H, B),
+        threadgroup=(min(128, threads(D)), 1, 1),
+        output_shapes=[(B, H, 1, D)],
+        output_dtypes=[dtype],
+    )
 
 
 def kernel(shared_memory):
@@ -415,6 +509,18 @@ def kernel(shared_memory):
             shared_memory=shared_memory,
         )
     return _kernels[shared_memory]
+
+
+def combine(o, ml, dtype):
+    """Each split's output weighed by its share of the softmax, one kernel."""
+    if "combine" not in _kernels:
+        _kernels["combine"] = mx.fast.cuda_kernel(
+            name="mla_latent_combine",
+            input_names=COMBINE_INPUTS,
+            output_names=COMBINE_OUTPUTS,
+            source=COMBINE,
+        )
+    return _kernels["combine"](**prepare_combine(o, ml, dtype))[0]
 
 
 def latent_attention(queries, latent, scale, mask=None, packed=None):

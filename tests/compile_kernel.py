@@ -1,7 +1,8 @@
-"""Compiles each variant of the CUDA decode kernel with nvcc, as MLX's CUDA
-backend would build it, for Ampere and Hopper; fails on any error, a spilled
-register, or a quantized variant without a 16-byte load in its PTX. `.ci/run`
-runs it where nvcc is installed (no GPU needed):
+"""Compiles each variant of the CUDA decode kernel and of the kernel that
+combines its blocks with nvcc, as MLX's CUDA backend would build them, for
+Ampere and Hopper; fails on any error, a spilled register, or a quantized
+variant without a 16-byte load in its PTX. `.ci/run` runs it where nvcc is
+installed (no GPU needed):
 
     python tests/compile_kernel.py
 """
@@ -28,7 +29,8 @@ def variants():
 
     def exact(dtype, heads=20, mask=None):
         q = mx.zeros((1, heads, 1, 512), dtype)
-        return decode_cuda.prepare(q, mx.zeros((1, 1, 40, 512), dtype), 0.1, mask)
+        x = mx.zeros((1, 1, 40, 512), dtype)
+        return decode_cuda.prepare(q, x, 0.1, mask, sms=132)
 
     def packed(bits, dtype=mx.bfloat16):
         cache = KVCache()
@@ -41,7 +43,7 @@ def variants():
         )
         q = mx.zeros((1, 128, 1, 512), dtype)
         mask = mx.zeros((1, 128, 1, 41), dtype)
-        return decode_cuda.prepare(q, x, 0.1, mask, cache.latent_bytes(x))
+        return decode_cuda.prepare(q, x, 0.1, mask, cache.latent_bytes(x), sms=132)
 
     for dtype in (mx.float32, mx.float16, mx.bfloat16):
         yield f"exact {dtype}", exact(dtype)
@@ -50,6 +52,9 @@ def variants():
     for bits in (8, 4, 2):
         yield f"{bits}-bit, 128 heads", packed(bits)
     yield "4-bit, float16 scales", packed(4, mx.float16)
+    o, ml = mx.zeros((1, 20, 3, 512)), mx.zeros((1, 20, 3, 2))
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        yield f"combine to {dtype}", decode_cuda.prepare_combine(o, ml, dtype)
 
 
 def vector_loads(source, arch):
@@ -63,11 +68,15 @@ def vector_loads(source, arch):
 
 
 def main():
-    kernel = Emulator(
+    decode = Emulator(
         decode_cuda.INPUTS, decode_cuda.OUTPUTS, decode_cuda.SOURCE, decode_cuda.HEADER
+    )
+    combine = Emulator(
+        decode_cuda.COMBINE_INPUTS, decode_cuda.COMBINE_OUTPUTS, decode_cuda.COMBINE
     )
     folder, failed = Path(tempfile.mkdtemp(prefix="mla-kernel-")), 0
     for i, (name, launch) in enumerate(variants()):
+        kernel = combine if name.startswith("combine") else decode
         source = kernel.cuda_source(
             [a.dtype for a in launch["inputs"]],
             launch["output_dtypes"],
@@ -91,7 +100,7 @@ def main():
             print(
                 f"{'ok' if ok else 'FAILED':6} {arch} {name}: "
                 f"{registers[0] if registers else '?'} registers, "
-                f"{launch['shared_memory']} bytes shared, {wide} 16-byte loads"
+                f"{launch.get('shared_memory', 0)} bytes shared, {wide} 16-byte loads"
             )
             if not ok:
                 print(out.stderr[-3000:])

@@ -131,6 +131,14 @@ CTYPES = {
     mx.uint8: "uint8_t",
     mx.int32: "int32_t",
 }
+# An output's numpy buffer (bfloat16 as its bits).
+NUMPY = {
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.bfloat16: np.uint16,
+    mx.uint8: np.uint8,
+    mx.int32: np.int32,
+}
 
 
 def _numpy(a):
@@ -157,11 +165,22 @@ def _strided(x, unaligned=False):
 class Emulator:
     """``kernel(inputs=..., template=..., grid=..., threadgroup=...,
     output_shapes=..., output_dtypes=...)`` as ``mx.fast.cuda_kernel`` builds
-    it, for ``source`` with ``header``, run on the CPU."""
+    it, for ``source`` with ``header``, run on the CPU. Inputs are read through
+    strides of a larger buffer, or, with ``ensure_row_contiguous`` (as MLX's
+    argument), as row-contiguous arrays."""
 
-    def __init__(self, input_names, output_names, source, header, folder=None):
+    def __init__(
+        self,
+        input_names,
+        output_names,
+        source,
+        header="",
+        folder=None,
+        ensure_row_contiguous=False,
+    ):
         self.names, self.outputs = list(input_names), list(output_names)
         self.source, self.header = source, header
+        self.row_contiguous = ensure_row_contiguous
         self.folder = Path(folder or tempfile.mkdtemp(prefix="cuda-emulator-"))
         self.libraries = {}
         self.unaligned = False  # byte inputs out of 16-byte alignment
@@ -326,9 +345,11 @@ extern "C" void launch(void** data, const int32_t* shapes,
         code = self._code([a.dtype for a in inputs], output_dtypes, template)
         library = self._library(code)
         library.loads16.restype = ctypes.c_long
-        arrays = [_strided(_numpy(a), self.unaligned) for a in inputs]
+        arrays = [np.ascontiguousarray(_numpy(a)) for a in inputs]
+        if not self.row_contiguous:
+            arrays = [_strided(a, self.unaligned) for a in arrays]
         outputs = [
-            np.zeros(shape, np.float32 if dtype == mx.float32 else np.uint8)
+            np.zeros(shape, NUMPY[dtype])
             for shape, dtype in zip(output_shapes, output_dtypes)
         ]
         shapes = np.zeros((len(arrays), MAX_NDIM), np.int32)
@@ -352,4 +373,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
             tx,
         )
         self.vector_loads = library.loads16()
-        return [mx.array(o) for o in outputs]
+        return [
+            mx.view(mx.array(o), mx.bfloat16) if dtype == mx.bfloat16 else mx.array(o)
+            for o, dtype in zip(outputs, output_dtypes)
+        ]

@@ -4,8 +4,10 @@ a decode step through it gives stock's logits, and a kernel that fails or
 disagrees is not used. On MLX's CUDA backend the kernel runs as built; on
 other machines its source runs on the CPU (tests/cuda_emulator.py)."""
 
+import ctypes
 import logging
 import math
+import subprocess
 
 import mlx.core as mx
 import pytest
@@ -33,11 +35,26 @@ def emulator(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def combine(tmp_path_factory):
+    """``decode_cuda.combine``: as built on CUDA, else its source emulated."""
+    if ON_CUDA:
+        return decode_cuda.combine
+    emulated = Emulator(
+        decode_cuda.COMBINE_INPUTS,
+        decode_cuda.COMBINE_OUTPUTS,
+        decode_cuda.COMBINE,
+        folder=tmp_path_factory.mktemp("combine"),
+        ensure_row_contiguous=True,
+    )
+    return lambda o, ml, dtype: emulated(**decode_cuda.prepare_combine(o, ml, dtype))[0]
+
+
 @pytest.fixture
-def kernel(emulator, monkeypatch):
+def kernel(emulator, combine, monkeypatch):
     """``decode_cuda.latent_attention``: as built on CUDA, else its source
-    emulated, with few blocks so a tiny step still spans several."""
-    monkeypatch.setattr(decode_cuda, "BLOCKS", 4)
+    emulated, on a GPU of 4 SMs so a tiny step still spans several blocks."""
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
     if ON_CUDA:
         return decode_cuda.latent_attention
 
@@ -47,7 +64,7 @@ def kernel(emulator, monkeypatch):
             return None
         launch.pop("shared_memory")
         o, ml = emulator(**launch)
-        return decode_cuda.combine(o, ml, queries.dtype)
+        return combine(o, ml, queries.dtype)
 
     return run
 
@@ -142,17 +159,183 @@ def test_heads_beyond_a_blocks_share_go_to_other_blocks(kernel):
     assert close(kernel(q, x, 0.1), decode.reference_attention(q, x, 0.1), mx.float32)
 
 
-@pytest.mark.parametrize("blocks", [1, 64])
+@pytest.mark.parametrize("sms, splits", [(1, 1), (3, 3), (5, 5), (64, 10)])
 def test_positions_split_across_blocks_combine_as_one_softmax(
-    kernel, monkeypatch, blocks
+    kernel, monkeypatch, sms, splits
 ):
-    # 150 positions: one block of many tiles, or a block a tile, the last partial.
-    monkeypatch.setattr(decode_cuda, "BLOCKS", blocks)
+    # 150 positions (10 tiles): one block of every tile, a few blocks, a block
+    # a tile, the last partial.
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: sms)
     q, x = queries(B=1), latent(B=1)
     launch = decode_cuda.prepare(q, x, 0.05)
-    tiles = math.ceil(150 / decode_cuda.TILE)
-    assert launch["grid"][0] // launch["threadgroup"][0] == min(blocks, tiles)
+    assert launch["grid"][0] // launch["threadgroup"][0] == splits
     assert close(kernel(q, x, 0.05), decode.reference_attention(q, x, 0.05), mx.float32)
+
+
+def blocks(launch):
+    grid, block = launch["grid"], launch["threadgroup"]
+    return grid[0] // block[0] * grid[1] * grid[2]
+
+
+@pytest.mark.parametrize("sms", [132, 108, 78])
+@pytest.mark.parametrize("B, H", [(1, 20), (8, 20), (1, 128), (3, 64)])
+def test_a_long_step_fills_one_wave_of_the_gpus_sms(sms, B, H):
+    q, x = queries(B=B, H=H, D=32), latent(B=B, L=16 * 4096, D=32)
+    launch = decode_cuda.prepare(q, x, 0.1, sms=sms)
+    units = B * math.ceil(H / decode_cuda.heads_per_block(H))
+    splits = launch["grid"][0] // launch["threadgroup"][0]
+    # At most one block an SM, each as few tiles as one wave of them allows
+    # (4096 tiles over 132 blocks: 128 blocks of 32, as long as 132 would be).
+    assert blocks(launch) <= sms
+    assert math.ceil(4096 / splits) == math.ceil(4096 / (sms // units))
+
+
+@pytest.mark.parametrize("B, H", [(132, 20), (40, 128), (200, 20)])
+def test_sequences_and_head_groups_that_fill_the_sms_take_one_split_each(B, H):
+    q, x = queries(B=B, H=H, D=32), latent(B=B, L=1000, D=32)
+    launch = decode_cuda.prepare(q, x, 0.1, sms=132)
+    assert launch["grid"][0] // launch["threadgroup"][0] == 1
+    assert launch["output_shapes"][0] == (B, H, 1, 32)
+
+
+def test_a_step_is_sized_to_the_sm_count_of_the_gpu(monkeypatch):
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 132)
+    q, x = queries(B=1), latent(B=1, L=16 * 1000)
+    assert blocks(decode_cuda.prepare(q, x, 0.1)) == 125  # 1000 tiles, 8 each
+
+
+def test_without_a_cuda_driver_the_sm_count_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setattr(decode_cuda, "DRIVERS", ("libcuda-absent.so.1",))
+    monkeypatch.setattr(decode_cuda, "_SMS", [])
+    with pytest.raises(RuntimeError, match="CUDA driver .libcuda. cannot be loaded"):
+        decode_cuda.prepare(queries(), latent(), 0.1)
+
+
+# The driver's calls the SM count makes: GPU 0 has 108 SMs, GPU 1 (at PCI
+# address 0000:3b:00.0) 132.
+FAKE_DRIVER = r"""
+#include <string.h>
+extern "C" {
+int inits = 0, gpus = 1;
+int cuInit(unsigned flags) { ++inits; return flags; }
+int cuDeviceGetCount(int* n) { *n = gpus; return 0; }
+int cuDeviceGet(int* device, int i) { *device = i; return i < gpus ? 0 : 101; }
+int cuDeviceGetByPCIBusId(int* device, const char* bus) {
+  *device = 1;
+  return strcmp(bus, "0000:3b:00.0") ? 101 : 0;
+}
+int cuDeviceGetAttribute(int* value, int attribute, int device) {
+  *value = device == 1 ? 132 : 108;
+  return attribute == 16 ? 0 : 1;
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("driver")
+    (folder / "driver.cpp").write_text(FAKE_DRIVER)
+    lib = folder / "libcuda-fake.so"
+    subprocess.run(
+        ["g++", "-shared", "-fPIC", str(folder / "driver.cpp"), "-o", str(lib)],
+        check=True,
+    )
+    return str(lib), ctypes.CDLL(str(lib))
+
+
+@pytest.fixture
+def driver(fake_driver, monkeypatch):
+    """The fake driver as the one ``sm_count`` asks, afresh."""
+    path, lib = fake_driver
+    monkeypatch.setattr(decode_cuda, "DRIVERS", ("libcuda-absent.so.1", path))
+    monkeypatch.setattr(decode_cuda, "_SMS", [])
+    ctypes.c_int.in_dll(lib, "inits").value = 0
+    ctypes.c_int.in_dll(lib, "gpus").value = 2
+    return lib
+
+
+def test_the_sm_count_is_the_drivers_for_mlxs_gpu_by_its_pci_address(
+    driver, monkeypatch
+):
+    monkeypatch.setattr(mx, "device_info", lambda: {"pci_bus_id": "0000:3b:00.0"})
+    assert decode_cuda.sm_count() == 132
+    assert decode_cuda.sm_count() == 132
+    assert ctypes.c_int.in_dll(driver, "inits").value == 1  # asked once
+
+
+def test_without_a_pci_address_the_one_gpu_is_asked(driver, monkeypatch):
+    monkeypatch.setattr(mx, "device_info", dict)
+    ctypes.c_int.in_dll(driver, "gpus").value = 1
+    assert decode_cuda.sm_count() == 108
+
+
+def test_without_a_pci_address_among_several_gpus_the_sm_count_is_an_error(
+    driver, monkeypatch
+):
+    monkeypatch.setattr(mx, "device_info", dict)
+    with pytest.raises(RuntimeError, match="2 GPUs and MLX names none"):
+        decode_cuda.sm_count()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="asks the GPU's own driver")
+def test_the_gpus_sm_count_is_asked_of_its_driver():
+    assert 1 <= decode_cuda.sm_count() <= 1024
+
+
+def test_splits_whose_positions_are_all_masked_weigh_nothing(kernel, monkeypatch):
+    # 5 splits of 32 positions: the first two all masked.
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 5)
+    q, x = queries(B=1), latent(B=1)
+    mask = mx.array([i >= 64 for i in range(150)])[None, None, None]
+    alone = decode.reference_attention(q, x[:, :, 64:], 0.05)
+    assert close(kernel(q, x, 0.05, mask), alone, mx.float32)
+
+
+LOW = mx.finfo(mx.float32).min
+
+
+def partials(splits, B=2, H=3, D=64):
+    """Partial outputs as the kernel writes them: unnormalized outputs, and
+    each split's maximum score and sum of weights."""
+    k = mx.random.split(mx.random.key(5), 3)
+    o = 10 * mx.random.normal((B, H, splits, D), key=k[0])
+    top = 4 * mx.random.normal((B, H, splits), key=k[1])
+    total = mx.random.uniform(1, 20, (B, H, splits), key=k[2])
+    return o, mx.stack([top, total], axis=-1)
+
+
+def softmax_of(o, ml):
+    """The splits joined as one softmax, in float32."""
+    weights = mx.exp(ml[..., 0] - ml[..., 0].max(axis=-1, keepdims=True))
+    total = (ml[..., 1] * weights).sum(axis=-1, keepdims=True)
+    return (o * weights[..., None]).sum(axis=-2, keepdims=True) / total[..., None]
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 33])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_the_combine_joins_the_splits_as_one_softmax_in_the_queries_dtype(
+    combine, splits, dtype
+):
+    o, ml = partials(splits)
+    got = combine(o, ml, dtype)
+    assert got.dtype == dtype and got.shape == (2, 3, 1, 64)
+    assert close(got, softmax_of(o, ml), dtype)
+
+
+def test_the_combine_weighs_an_all_masked_split_at_nothing(combine):
+    o, ml = partials(3)
+    masked = mx.array([LOW, 16.0])  # 16 masked positions: weight 1 each
+    ml = mx.concatenate([ml[:, :, :1], mx.broadcast_to(masked, (2, 3, 1, 2))], 2)
+    o = mx.concatenate([o[:, :, :1], mx.full((2, 3, 1, 64), 1e6)], axis=2)
+    assert close(combine(o, ml, mx.float32), o[:, :, :1] / ml[:, :, :1, 1:], mx.float32)
+
+
+def test_the_combine_weighs_splits_alike_where_every_position_is_masked(combine):
+    o, ml = partials(3)
+    ml = mx.stack([mx.full((2, 3, 3), LOW), ml[..., 1]], axis=-1)
+    expected = o.sum(axis=2, keepdims=True) / ml[..., 1:].sum(axis=2, keepdims=True)
+    assert close(combine(o, ml, mx.float32), expected, mx.float32)
 
 
 @pytest.mark.parametrize(
@@ -308,7 +491,8 @@ def test_a_kernel_that_drops_the_mask_fails_its_check(kernel, monkeypatch):
 
 
 def test_the_check_runs_two_sequences_and_several_tiles_a_block(monkeypatch):
-    # At the real number of blocks: the launch is planned, never run.
+    # At the real number of blocks (an H100's 132 SMs): planned, never run.
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 132)
     seen = []
 
     def planned(q, x, scale, mask, packed):
@@ -325,7 +509,8 @@ def test_the_check_runs_two_sequences_and_several_tiles_a_block(monkeypatch):
         q, x = launch["inputs"][:2]
         splits = launch["grid"][0] // launch["threadgroup"][0]
         tiles = math.ceil(x.shape[2] / decode_cuda.TILE)
-        assert q.shape[0] == 2 and tiles / splits >= 3
+        assert q.shape[0] == 2 and tiles == 3 * splits
+        assert 132 - 2 * launch["grid"][1] < blocks(launch) <= 132
 
 
 def test_a_kernel_wrong_beyond_the_first_sequence_fails_its_check(kernel, monkeypatch):
@@ -386,6 +571,7 @@ def test_a_kernel_that_disagrees_or_fails_is_not_used(
 ):
     timed[0].update(kernel=1.0, fold=2.0, stock=3.0)
     monkeypatch.setattr(decode_cuda, "available", lambda: True)
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
     calls = []
     monkeypatch.setattr(
         decode_cuda, "latent_attention", lambda *a: calls.append(1) or broken(*a)
