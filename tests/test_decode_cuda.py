@@ -91,17 +91,35 @@ def test_the_kernel_reads_a_quantized_latent_from_its_bytes(kernel, bits):
     assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
 
 
-@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's loads")
+@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's copies")
 @pytest.mark.parametrize("bits, row_bytes", [(8, 512), (4, 256), (2, 128)])
-def test_aligned_quantized_rows_are_read_16_bytes_at_a_time(
+def test_aligned_quantized_rows_are_staged_by_async_16_byte_copies(
     kernel, emulator, bits, row_bytes
 ):
     cache, x = packed_cache(bits)
     q = queries(dtype=mx.bfloat16)
     expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
     assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
-    # Each row of both sequences once, for the one group of 20 heads.
-    assert emulator.vector_loads == 2 * 150 * row_bytes // 16
+    # Each row of both sequences once, for the one group of 20 heads: its
+    # bytes, and the 32 of its scales and biases (after 128 of RoPE key).
+    assert emulator.async_copies == 2 * 150 * (row_bytes // 16 + 32 // 16)
+    assert emulator.vector_loads == 0
+
+
+@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's copies")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_aligned_exact_rows_are_staged_by_async_16_byte_copies(kernel, emulator, dtype):
+    q, x = queries(dtype=dtype), latent(dtype=dtype)
+    assert close(kernel(q, x, 0.05), decode.reference_attention(q, x, 0.05), dtype)
+    assert emulator.async_copies == 2 * 150 * 512 * dtype.size // 16
+
+
+def test_unaligned_exact_rows_are_read_a_value_at_a_time(kernel, emulator, monkeypatch):
+    monkeypatch.setattr(emulator, "unaligned", True)
+    q, x = queries(dtype=mx.bfloat16), latent(dtype=mx.bfloat16)
+    expected = decode.reference_attention(q, x, 0.05)
+    assert close(kernel(q, x, 0.05), expected, mx.bfloat16)
+    assert ON_CUDA or emulator.async_copies == 0
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -116,7 +134,7 @@ def test_unaligned_quantized_rows_are_read_a_byte_at_a_time(
     q = queries(dtype=mx.bfloat16)
     expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
     assert close(kernel(q, x, 0.05, None, (wider, values, fmt)), expected, x.dtype)
-    assert ON_CUDA or emulator.vector_loads == 0
+    assert ON_CUDA or emulator.vector_loads == emulator.async_copies == 0
 
 
 def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
@@ -153,6 +171,65 @@ def test_positions_split_across_blocks_combine_as_one_softmax(
     tiles = math.ceil(150 / decode_cuda.TILE)
     assert launch["grid"][0] // launch["threadgroup"][0] == min(blocks, tiles)
     assert close(kernel(q, x, 0.05), decode.reference_attention(q, x, 0.05), mx.float32)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+@pytest.mark.parametrize("positions", [5, 35, 83, 96], ids=lambda n: f"{n}-positions")
+def test_a_block_of_any_number_of_tiles_attends_as_the_reference(
+    kernel, monkeypatch, kind, positions
+):
+    # One block takes every tile: 1, 3 (fewer than the ring holds), 6 with a
+    # partial last, 6 whole.
+    monkeypatch.setattr(decode_cuda, "BLOCKS", 1)
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1, L=positions)
+        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
+    else:
+        x, packed, reader = latent(B=1, L=positions, dtype=mx.bfloat16), None, None
+    expected = decode.reference_attention(q, x, 0.05, None, reader)
+    assert close(kernel(q, x, 0.05, None, packed), expected, mx.bfloat16)
+
+
+WAIT = "    mla_wait<STAGES - 1>();\n    __syncthreads();\n"
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [
+        "",
+        "    __syncthreads();\n    mla_wait<STAGES - 1>();\n",
+        "    mla_wait<STAGES>();\n    __syncthreads();\n",
+    ],
+    ids=["no-wait", "wait-after-the-barrier", "wait-a-tile-short"],
+)
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
+    tmp_path, monkeypatch, mutant, kind
+):
+    # In the emulator a copy lands only at its thread's wait (shared memory
+    # before it is garbage), as a GPU does not promise it earlier.
+    assert decode_cuda.SOURCE.count(WAIT) == 1
+    emulated = Emulator(
+        decode_cuda.INPUTS,
+        decode_cuda.OUTPUTS,
+        decode_cuda.SOURCE.replace(WAIT, mutant),
+        decode_cuda.HEADER,
+        folder=tmp_path,
+    )
+    monkeypatch.setattr(decode_cuda, "BLOCKS", 4)
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1)
+        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
+    else:
+        x, packed, reader = latent(B=1, dtype=mx.bfloat16), None, None
+    launch = decode_cuda.prepare(q, x, 0.05, None, packed)
+    launch.pop("shared_memory")
+    o, ml = emulated(**launch)
+    got = decode_cuda.combine(o, ml, q.dtype)
+    expected = decode.reference_attention(q, x, 0.05, None, reader)
+    assert not close(got, expected, mx.bfloat16)
 
 
 @pytest.mark.parametrize(
