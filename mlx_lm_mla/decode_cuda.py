@@ -32,9 +32,9 @@ HEADER = """
 // Copies of 16 bytes from global to shared memory that land later (cp.async,
 // sm_80 on): mla_copy16 issues one, mla_commit closes this thread's copies
 // since the last into a group, mla_wait<N> returns once at most N of its
-// groups are still in flight. Both addresses 16-byte aligned. Elsewhere a copy
-// is made as it is issued (tests/cuda_emulator.py holds it until the wait).
-#if defined(__CUDA_ARCH__)
+// groups are still in flight. Both addresses 16-byte aligned. Before sm_80 a
+// copy is made as it is issued (tests/cuda_emulator.py holds it until the wait).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ inline void mla_copy16(void* dst, const void* src) {
   const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n"
@@ -233,8 +233,10 @@ SOURCE = """
       }
     }
     if constexpr (BITS > 0) {
-      constexpr int VN = (V1 - V0) / 16;
-      constexpr int VS = VEND - SCALE_AT;  // bytes of scales and biases
+      // 16-byte pieces of the span, bytes of scales and biases (1 for exact
+      // rows, which never get here: no division by zero in their kernels).
+      constexpr int VN = BITS == 0 ? 1 : (V1 - V0) / 16;
+      constexpr int VS = BITS == 0 ? 1 : VEND - SCALE_AT;
       if (v_async) {
 #pragma unroll 1
         for (int k = tid; k < n * VN; k += NT) {
