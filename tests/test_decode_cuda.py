@@ -6,6 +6,10 @@ other machines its source runs on the CPU (tests/cuda_emulator.py)."""
 
 import logging
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -230,6 +234,52 @@ def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
     got = decode_cuda.combine(o, ml, q.dtype)
     expected = decode.reference_attention(q, x, 0.05, None, reader)
     assert not close(got, expected, mx.bfloat16)
+
+
+# One 16-byte copy from x + FROM to shared memory + TO, emulated in a child
+# process (a trap ends it).
+COPY = """
+import sys
+import mlx.core as mx
+from cuda_emulator import Emulator
+from mlx_lm_mla import decode_cuda
+source = '''
+  extern __shared__ float smem[];
+  mla_copy16(reinterpret_cast<char*>(smem) + TO,
+             reinterpret_cast<const char*>(x) + FROM);
+  mla_commit();
+  mla_wait<0>();
+  o[threadIdx.x] = smem[TO / 4 + threadIdx.x % 4];
+'''
+copy = Emulator(["x"], ["o"], source, decode_cuda.HEADER, folder=sys.argv[3])
+(o,) = copy(
+    [mx.arange(8, dtype=mx.float32)],
+    [("TO", int(sys.argv[1])), ("FROM", int(sys.argv[2]))],
+    (32, 1, 1), (32, 1, 1), [(32,)], [mx.float32],
+)
+print(o[:4].tolist(), copy.async_copies)
+"""
+
+
+@pytest.mark.parametrize(
+    "to, source, traps",
+    [(16, 0, False), (8, 0, True), (16, 4, True)],
+    ids=["aligned", "destination-off", "source-off"],
+)
+def test_the_emulator_traps_an_async_copy_out_of_alignment(tmp_path, to, source, traps):
+    child = subprocess.run(
+        [sys.executable, "-c", COPY, str(to), str(source), str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if traps:
+        assert child.returncode != 0
+        assert "misaligned 16-byte async copy" in child.stderr
+    else:
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.split() == ["[0.0,", "1.0,", "2.0,", "3.0]", "32"]
 
 
 @pytest.mark.parametrize(
