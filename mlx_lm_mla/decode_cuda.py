@@ -74,53 +74,21 @@ __device__ inline float mla_scalar(const uint8_t* v, int at) {
   return static_cast<float>(x);
 }
 
-// Values k * PER .. k * PER + PER - 1 of a staged quantized row, from its
-// byte k (values low bits first) and its group's scale and bias.
+// Values first .. first + 4 * 8 / BITS - 1 of a staged quantized row, from
+// the 4-byte word at x (aligned) and their group's scale and bias.
 template <int BITS, int G, typename LT>
-__device__ inline void mla_unpack(
-    const uint8_t* x, const uint8_t* v, int scale_at, int bias_at, int k,
-    float* out) {
-  if constexpr (BITS > 0) {  // kernels of exact rows instantiate it too
-    constexpr int per = 8 / BITS;
-    const int byte = int(x[k]);
-    const int at = (k * per / G) * int(sizeof(LT));
-    const float s = mla_scalar<LT>(v, scale_at + at);
-    const float b = mla_scalar<LT>(v, bias_at + at);
-#pragma unroll
-    for (int e = 0; e < per; ++e) {
-      const int q = (byte >> (e * BITS)) & ((1 << BITS) - 1);
-      // Rounded to the latent's dtype, as the dequantized latent is.
-      out[e] = static_cast<float>(LT(float(q) * s + b));
-    }
-  }
-}
-
-// Values first .. first + 16 * 8 / BITS - 1 of a staged quantized row from
-// one 16-byte load at x (aligned), each group's scale and bias read once.
-template <int BITS, int G, typename LT>
-__device__ inline void mla_unpack16(
+__device__ inline void mla_unpack4(
     const uint8_t* x, const uint8_t* v, int scale_at, int bias_at, int first,
     float* out) {
   if constexpr (BITS > 0) {
-    constexpr int per = 8 / BITS;
-    constexpr int groups = 16 * per > G ? 16 * per / G : 1;
-    const uint4 word = *reinterpret_cast<const uint4*>(x);
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&word);
-    float s[groups], b[groups];
+    const unsigned word = *reinterpret_cast<const unsigned*>(x);
+    const int at = (first / G) * int(sizeof(LT));
+    const float s = mla_scalar<LT>(v, scale_at + at);
+    const float b = mla_scalar<LT>(v, bias_at + at);
 #pragma unroll
-    for (int j = 0; j < groups; ++j) {
-      const int at = (first / G + j) * int(sizeof(LT));
-      s[j] = mla_scalar<LT>(v, scale_at + at);
-      b[j] = mla_scalar<LT>(v, bias_at + at);
-    }
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const int j = k * per / G;
-#pragma unroll
-      for (int e = 0; e < per; ++e) {
-        const int q = (int(bytes[k]) >> (e * BITS)) & ((1 << BITS) - 1);
-        out[k * per + e] = static_cast<float>(LT(float(q) * s[j] + b[j]));
-      }
+    for (int e = 0; e < 32 / BITS; ++e) {
+      const int q = int(word >> (e * BITS)) & ((1 << BITS) - 1);
+      out[e] = static_cast<float>(LT(float(q) * s + b));
     }
   }
 }
@@ -274,33 +242,19 @@ SOURCE = """
     mla_wait<STAGES - 1>();
     __syncthreads();
 
-    // Packed rows are decoded into floats once for all heads (16 bytes a
-    // thread where a piece's groups are whole); exact rows are read in place.
-    constexpr int VW = 16 * PER;  // values per 16 bytes
-    if constexpr (BITS > 0 && XB % 16 == 0 && D % VW == 0 && (G & (G - 1)) == 0) {
+    // Packed rows are decoded into floats once for all heads, a 4-byte word
+    // a thread at a time (at most 16 values held); exact rows are read in
+    // place. MLX's group sizes (32, 64, 128) hold a word's values whole.
+    static_assert(BITS == 0 || G % (4 * PER) == 0, "a word spans two groups");
+    if constexpr (BITS > 0) {
 #pragma unroll 1
-      for (int k = tid; k < nt * (D / VW); k += NT) {
-        const int t = k / (D / VW);
-        const int c = k % (D / VW);
+      for (int k = tid; k < nt * (XB / 4); k += NT) {
+        const int t = k / (XB / 4);
+        const int w = k % (XB / 4);
         const uint8_t* row = rows + t * ROW;
-        mla_unpack16<BITS, G, LT>(
-            row + c * 16, row + XROW, SCALE_AT - V0, BIAS_AT - V0, c * VW,
-            xs + t * (D + 1) + c * VW);
-      }
-      __syncthreads();
-    } else if constexpr (BITS > 0) {
-#pragma unroll 1
-      for (int k = tid; k < nt * XN; k += NT) {
-        const int t = k / XN;
-        const int e = k % XN;
-        const uint8_t* row = rows + t * ROW;
-        float values[PER];
-        mla_unpack<BITS, G, LT>(
-            row, row + XROW, SCALE_AT - V0, BIAS_AT - V0, e, values);
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          xs[t * (D + 1) + e * PER + j] = values[j];
-        }
+        mla_unpack4<BITS, G, LT>(
+            row + 4 * w, row + XROW, SCALE_AT - V0, BIAS_AT - V0, 4 * w * PER,
+            xs + t * (D + 1) + 4 * w * PER);
       }
       __syncthreads();
     }
