@@ -1,9 +1,9 @@
 """MLA decode attention as one CUDA kernel (``mx.fast.cuda_kernel``).
 
 Each thread block takes one sequence, a group of heads and a share of the
-positions; it decodes a tile of latent rows (packed bytes, scales and biases, or
-exact values) into shared memory once for all its heads, and keeps a running
-softmax. Blocks write their partial outputs; a few MLX ops combine them.
+positions; it copies tiles of raw latent rows (packed bytes with their scales
+and biases, or exact values) into shared memory a few tiles ahead, decodes each
+once for all its heads, and keeps a running softmax. Blocks write their partial outputs; a few MLX ops combine them.
 ``decode.reference_attention`` is its reference; ``decode.attend`` serves a
 step by it only where it agreed and ran fastest, else by stock or the fold.
 """
@@ -163,8 +163,8 @@ SOURCE = """
   __syncthreads();
 
   const int tiles = s1 > s0 ? (s1 - s0 + TILE - 1) / TILE : 0;
-  // (Copies work addresses out from the arguments at each tile: fewer
-  // registers held through the tile.)
+  // Whether rows are aligned for 16-byte copies (the copies work their
+  // addresses out from the arguments at each tile: fewer registers held).
   const uint8_t* xb = reinterpret_cast<const uint8_t*>(x + b * x_strides[0]);
   const uint8_t* vb = v + b * v_strides[0];
   const bool aligned =
@@ -260,7 +260,8 @@ SOURCE = """
     }
     auto value = [&](int t, int col) -> float {
       if constexpr (BITS == 0) {
-        return static_cast<float>(reinterpret_cast<const LT*>(rows + t * ROW)[col]);
+        const LT* row = reinterpret_cast<const LT*>(rows + t * ROW);
+        return static_cast<float>(row[col]);
       } else {
         return xs[t * (D + 1) + col];
       }
