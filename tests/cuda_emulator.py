@@ -3,7 +3,9 @@ arithmetic is tested where no GPU is: the same header and body, under the
 signature MLX generates (each input, then ``<name>_shape`` / ``_strides`` where
 the body names them, then the outputs), compiled with g++. A block's threads
 are fibers switched at ``__syncthreads`` and at each warp shuffle; blocks run
-one after another, so the dynamic shared memory is one array."""
+one after another, so the dynamic shared memory is one array (NaN at each
+block's start). The header's asynchronous copies (``mla_copy16``) land only at
+the wait that covers them, for the thread that waits."""
 
 import ctypes
 import hashlib
