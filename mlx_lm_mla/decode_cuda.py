@@ -1,10 +1,11 @@
 """MLA decode attention as one CUDA kernel (``mx.fast.cuda_kernel``).
 
 Each thread block takes one sequence, a group of heads and a share of the
-positions; it decodes a tile of latent rows (packed bytes, scales and biases, or
-exact values) into shared memory once for all its heads, and keeps a running
-softmax. The blocks a step are sized to the GPU's SMs (``splits``), and a
-second kernel joins their partial outputs (``COMBINE``).
+positions; it copies tiles of raw latent rows (packed bytes with their scales
+and biases, or exact values) into shared memory a few tiles ahead, decodes each
+once for all its heads, and keeps a running softmax. The blocks a step are
+sized to the GPU's SMs (``splits``), and a second kernel joins their partial
+outputs (``COMBINE``).
 ``decode.reference_attention`` is its reference; ``decode.attend`` serves a
 step by it only where it agreed and ran fastest, else by stock or the fold.
 """
@@ -21,7 +22,10 @@ log = logging.getLogger(__name__)
 # Off with MLX_LM_MLA_CUDA_KERNEL=0 (or by setting ENABLED), e.g. to compare.
 ENABLED = os.environ.get("MLX_LM_MLA_CUDA_KERNEL", "1") != "0"
 TILE = 16  # positions decoded into shared memory at a time
-# Blocks a step per SM: one block (256 threads at ~164 registers) is resident
+# Raw rows a block stages ahead, at most: 2 to 4 tiles in the ring, so while
+# it works on one tile the copies of the next one to three are in flight.
+STAGED = 32 * 1024
+# Blocks a step per SM: one block (256 threads at 155-190 registers) is resident
 # on an SM at a time, so a second wave adds no concurrency, only partials.
 WAVES = 1
 # The CUDA driver, asked once for the SM count (Linux, then Windows).
@@ -33,65 +37,66 @@ DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # rows its bits (low bits first), and the row of values its group's scale and
 # bias, in the latent's dtype, at byte offsets ``scale_at`` and ``bias_at``.
 HEADER = """
+// Copies of 16 bytes from global to shared memory that land later (cp.async,
+// sm_80 on): mla_copy16 issues one, mla_commit closes this thread's copies
+// since the last into a group, mla_wait<N> returns once at most N of its
+// groups are still in flight. Both addresses 16-byte aligned. Before sm_80 a
+// copy is made as it is issued (tests/cuda_emulator.py holds it until the wait).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ inline void mla_copy16(void* dst, const void* src) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n"
+               :: "r"(to), "l"(src) : "memory");
+}
+__device__ inline void mla_commit() {
+  asm volatile("cp.async.commit_group;\\n" ::: "memory");
+}
+template <int N>
+__device__ inline void mla_wait() {
+  asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory");
+}
+#elif !defined(MLA_HELD_COPIES)
+__device__ inline void mla_copy16(void* dst, const void* src) {
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+}
+__device__ inline void mla_commit() {}
+template <int N>
+__device__ inline void mla_wait() {}
+#endif
+
+// One value of x at its place in a staged row (rows out of alignment).
+template <typename T>
+__device__ inline void mla_put(uint8_t* to, T value) {
+  *reinterpret_cast<T*>(to) = value;
+}
+
+// A staged row's scale or bias, assembled byte by byte: rows hold them at
+// any alignment.
 template <typename LT>
-__device__ inline float mla_scalar(const uint8_t* row, int64_t step, int at) {
-  LT x;  // assembled byte by byte: rows hold scales at any alignment
+__device__ inline float mla_scalar(const uint8_t* v, int at) {
+  LT x;
   uint8_t* bytes = reinterpret_cast<uint8_t*>(&x);
   for (int k = 0; k < int(sizeof(LT)); ++k) {
-    bytes[k] = row[(at + k) * step];
+    bytes[k] = v[at + k];
   }
   return static_cast<float>(x);
 }
 
-// Values k * PER .. k * PER + PER - 1 of a latent row: one byte of a quantized
-// row (its values low bits first, one group's scale and bias), or one value.
-template <int BITS, int G, typename LT, typename XT>
-__device__ inline void mla_unpack(
-    const XT* x, int64_t step, const uint8_t* v, int64_t vstep,
-    int scale_at, int bias_at, int k, float* out) {
-  if constexpr (BITS == 0) {
-    out[0] = static_cast<float>(x[k * step]);
-  } else {
-    constexpr int per = 8 / BITS;
-    const int byte = int(x[k * step]);
-    const int at = (k * per / G) * int(sizeof(LT));
-    const float s = mla_scalar<LT>(v, vstep, scale_at + at);
-    const float b = mla_scalar<LT>(v, vstep, bias_at + at);
-#pragma unroll
-    for (int e = 0; e < per; ++e) {
-      const int q = (byte >> (e * BITS)) & ((1 << BITS) - 1);
-      // Rounded to the latent's dtype, as the dequantized latent is.
-      out[e] = static_cast<float>(LT(float(q) * s + b));
-    }
-  }
-}
-
-// Values first .. first + 16 * 8 / BITS - 1 of a quantized row from one
-// 16-byte load at x (aligned), each group's scale and bias read once.
-template <int BITS, int G, typename LT, typename XT>
-__device__ inline void mla_unpack16(
-    const XT* x, const uint8_t* v, int64_t vstep,
-    int scale_at, int bias_at, int first, float* out) {
+// Values first .. first + 4 * 8 / BITS - 1 of a staged quantized row, from
+// the 4-byte word at x (aligned) and their group's scale and bias.
+template <int BITS, int G, typename LT>
+__device__ inline void mla_unpack4(
+    const uint8_t* x, const uint8_t* v, int scale_at, int bias_at, int first,
+    float* out) {
   if constexpr (BITS > 0) {
-    constexpr int per = 8 / BITS;
-    constexpr int groups = 16 * per > G ? 16 * per / G : 1;
-    const uint4 word = *reinterpret_cast<const uint4*>(x);
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&word);
-    float s[groups], b[groups];
+    const unsigned word = *reinterpret_cast<const unsigned*>(x);
+    const int at = (first / G) * int(sizeof(LT));
+    const float s = mla_scalar<LT>(v, scale_at + at);
+    const float b = mla_scalar<LT>(v, bias_at + at);
 #pragma unroll
-    for (int j = 0; j < groups; ++j) {
-      const int at = (first / G + j) * int(sizeof(LT));
-      s[j] = mla_scalar<LT>(v, vstep, scale_at + at);
-      b[j] = mla_scalar<LT>(v, vstep, bias_at + at);
-    }
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const int j = k * per / G;
-#pragma unroll
-      for (int e = 0; e < per; ++e) {
-        const int q = (int(bytes[k]) >> (e * BITS)) & ((1 << BITS) - 1);
-        out[k * per + e] = static_cast<float>(LT(float(q) * s[j] + b[j]));
-      }
+    for (int e = 0; e < 32 / BITS; ++e) {
+      const int q = int(word >> (e * BITS)) & ((1 << BITS) - 1);
+      out[e] = static_cast<float>(LT(float(q) * s + b));
     }
   }
 }
@@ -101,10 +106,27 @@ SOURCE = """
   // The lowest float, as a masked score is: a block whose positions are all
   // masked weighs nothing beside one that has any; all masked, all count.
   constexpr float LOW = -3.402823466e38f;
+  // Rows are staged raw in shared memory, STAGES tiles of them in a ring:
+  // exact rows whole; packed rows' bytes, then the 16-byte span of their row
+  // of values that holds the scales and biases. Aligned rows come by copies
+  // of 16 bytes that land later, others a value at a time.
+  constexpr int PER = BITS == 0 ? 1 : 8 / BITS;  // values per byte or value
+  constexpr int XE = BITS == 0 ? int(sizeof(LT)) : 1;  // bytes a value of x
+  constexpr int XB = BITS == 0 ? D * XE : D / PER;     // bytes a row of x
+  constexpr int XN = XB / XE;                          // values a row of x
+  constexpr int XROW = (XB + 15) / 16 * 16;
+  constexpr int V0 = BITS == 0 ? 0 : SCALE_AT / 16 * 16;
+  constexpr int VEND = BITS == 0 ? 0 : BIAS_AT + D / G * int(sizeof(LT));
+  constexpr int V1 = (VEND + 15) / 16 * 16;
+  constexpr int ROW = XROW + V1 - V0;  // bytes a staged row
+  constexpr int STAGE = TILE * ROW;
   extern __shared__ float smem[];
-  float* xs = smem;                   // TILE x (D + 1) latent rows
-  float* ps = xs + TILE * (D + 1);    // HB x TILE scores, then weights
-  float* st = ps + HB * TILE;         // HB each: max, sum, carry
+  // STAGES tiles of raw rows (see below); TILE x (D + 1) packed rows decoded;
+  // HB x TILE scores, then weights; HB each: max, sum, carry.
+  uint8_t* stage = reinterpret_cast<uint8_t*>(smem);
+  float* xs = smem + STAGES * STAGE / 4;
+  float* ps = xs + (BITS == 0 ? 0 : TILE * (D + 1));
+  float* st = ps + HB * TILE;
 
   const int tid = threadIdx.x;
   const int split = blockIdx.x;
@@ -148,60 +170,110 @@ SOURCE = """
   }
   __syncthreads();
 
-  // Quantized rows read 16 bytes at a time where whole vectors of them are
-  // aligned (a power-of-two group, so a vector's groups are whole or one).
-  constexpr int PER = BITS == 0 ? 1 : 8 / BITS;  // values per byte or value
-  constexpr int VW = 16 * PER;                   // values per 16 bytes
-  constexpr bool CAN_WIDE = BITS > 0 && D % VW == 0 && (G & (G - 1)) == 0;
-  bool wide = false;
-  if constexpr (CAN_WIDE) {
-    wide = x_strides[3] == 1 && x_strides[2] % 16 == 0 &&
-        reinterpret_cast<unsigned long long>(x + b * x_strides[0]) % 16 == 0;
-  }
+  const int tiles = s1 > s0 ? (s1 - s0 + TILE - 1) / TILE : 0;
+  // Whether rows are aligned for 16-byte copies (the copies work their
+  // addresses out from the arguments at each tile: fewer registers held).
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x + b * x_strides[0]);
+  const uint8_t* vb = v + b * v_strides[0];
+  const bool aligned =
+      reinterpret_cast<unsigned long long>(stage) % 16 == 0;
+  const bool x_async = aligned && XB % 16 == 0 && x_strides[3] == 1 &&
+      (x_strides[2] * XE) % 16 == 0 &&
+      reinterpret_cast<unsigned long long>(xb) % 16 == 0;
+  const bool v_async = aligned && BITS > 0 && v_strides[3] == 1 &&
+      v_strides[2] % 16 == 0 && V1 <= v_shape[3] &&
+      reinterpret_cast<unsigned long long>(vb) % 16 == 0;
 
-  for (int t0 = s0; t0 < s1; t0 += TILE) {
-    const int nt = min(TILE, s1 - t0);
-    if constexpr (CAN_WIDE) {
-      for (int i = tid; wide && i < TILE * (D / VW); i += NT) {
-        const int t = i / (D / VW);
-        const int c = i % (D / VW);
-        float* out = xs + t * (D + 1) + c * VW;
-        if (t < nt) {
-          const int64_t p = t0 + t;
-          mla_unpack16<BITS, G, LT>(
-              x + b * x_strides[0] + p * x_strides[2] + c * 16,
-              v + b * v_strides[0] + p * v_strides[2], v_strides[3],
-              SCALE_AT, BIAS_AT, c * VW, out);
-        } else {
-#pragma unroll
-          for (int e = 0; e < VW; ++e) {
-            out[e] = 0.0f;
-          }
-        }
+  // Tile i's copies go in flight as one group (none past the last tile).
+  auto stage_tile = [&](int i) {
+    uint8_t* rows = stage + (i % STAGES) * STAGE;
+    const int64_t p0 = s0 + (int64_t)i * TILE;
+    const int n = i < tiles ? min(TILE, s1 - s0 - i * TILE) : 0;
+    if (x_async) {
+#pragma unroll 1
+      for (int k = tid; k < n * (XB / 16); k += NT) {
+        const int t = k / (XB / 16);
+        const int c = k % (XB / 16);
+        const int64_t at = (b * x_strides[0] + (p0 + t) * x_strides[2]) * XE;
+        mla_copy16(rows + t * ROW + c * 16,
+                   reinterpret_cast<const uint8_t*>(x) + at + c * 16);
+      }
+    } else {
+#pragma unroll 1
+      for (int k = tid; k < n * XN; k += NT) {
+        const int t = k / XN;
+        const int e = k % XN;
+        mla_put(rows + t * ROW + e * XE,
+                x[b * x_strides[0] + (p0 + t) * x_strides[2] +
+                  e * x_strides[3]]);
       }
     }
-    for (int i = tid; !wide && i < TILE * (D / PER); i += NT) {
-      const int t = i / (D / PER);
-      const int k = i % (D / PER);
-      float values[PER];
-      if (t < nt) {
-        const int64_t p = t0 + t;
-        mla_unpack<BITS, G, LT>(
-            x + b * x_strides[0] + p * x_strides[2], x_strides[3],
-            v + b * v_strides[0] + p * v_strides[2], v_strides[3],
-            SCALE_AT, BIAS_AT, k, values);
+    if constexpr (BITS > 0) {
+      // 16-byte pieces of the span, bytes of scales and biases (1 for exact
+      // rows, which never get here: no division by zero in their kernels).
+      constexpr int VN = BITS == 0 ? 1 : (V1 - V0) / 16;
+      constexpr int VS = BITS == 0 ? 1 : VEND - SCALE_AT;
+      if (v_async) {
+#pragma unroll 1
+        for (int k = tid; k < n * VN; k += NT) {
+          const int t = k / VN;
+          const int c = k % VN;
+          const int64_t at = b * v_strides[0] + (p0 + t) * v_strides[2];
+          mla_copy16(rows + t * ROW + XROW + c * 16, v + at + V0 + c * 16);
+        }
       } else {
-#pragma unroll
-        for (int e = 0; e < PER; ++e) {
-          values[e] = 0.0f;
+#pragma unroll 1
+        for (int k = tid; k < n * VS; k += NT) {
+          const int t = k / VS;
+          const int e = k % VS;
+          rows[t * ROW + XROW + SCALE_AT - V0 + e] =
+              v[b * v_strides[0] + (p0 + t) * v_strides[2] +
+                (SCALE_AT + e) * v_strides[3]];
         }
       }
-#pragma unroll
-      for (int e = 0; e < PER; ++e) {
-        xs[t * (D + 1) + k * PER + e] = values[e];
-      }
     }
+    mla_commit();
+  };
+
+#pragma unroll 1
+  for (int i = 0; i < STAGES - 1; ++i) {
+    stage_tile(i);
+  }
+  for (int i = 0; i < tiles; ++i) {
+    const int t0 = s0 + i * TILE;
+    const int nt = min(TILE, s1 - t0);
+    const uint8_t* rows = stage + (i % STAGES) * STAGE;
+    // The tile STAGES - 1 ahead goes in flight, into the buffer tile i - 1
+    // used; then tile i has landed for this thread, and after the barrier
+    // for every thread.
+    stage_tile(i + STAGES - 1);
+    mla_wait<STAGES - 1>();
     __syncthreads();
+
+    // Packed rows are decoded into floats once for all heads, a 4-byte word
+    // a thread at a time (at most 16 values held); exact rows are read in
+    // place. MLX's group sizes (32, 64, 128) hold a word's values whole.
+    static_assert(BITS == 0 || G % (4 * PER) == 0, "a word spans two groups");
+    if constexpr (BITS > 0) {
+#pragma unroll 1
+      for (int k = tid; k < nt * (XB / 4); k += NT) {
+        const int t = k / (XB / 4);
+        const int w = k % (XB / 4);
+        const uint8_t* row = rows + t * ROW;
+        mla_unpack4<BITS, G, LT>(
+            row + 4 * w, row + XROW, SCALE_AT - V0, BIAS_AT - V0, 4 * w * PER,
+            xs + t * (D + 1) + 4 * w * PER);
+      }
+      __syncthreads();
+    }
+    auto value = [&](int t, int col) -> float {
+      if constexpr (BITS == 0) {
+        const LT* row = reinterpret_cast<const LT*>(rows + t * ROW);
+        return static_cast<float>(row[col]);
+      } else {
+        return xs[t * (D + 1) + col];
+      }
+    };
 
     for (int t = 0; t < TILE; ++t) {
       float part[A];
@@ -212,7 +284,7 @@ SOURCE = """
       if (t < nt) {
 #pragma unroll
         for (int k = 0; k < KD; ++k) {
-          const float x = xs[t * (D + 1) + lane + 32 * k];
+          const float x = value(t, lane + 32 * k);
 #pragma unroll
           for (int a = 0; a < A; ++a) {
             part[a] += qr[a][k] * x;
@@ -279,7 +351,7 @@ SOURCE = """
       float xt[D / NT];
 #pragma unroll
       for (int j = 0; j < D / NT; ++j) {
-        xt[j] = xs[t * (D + 1) + tid + j * NT];
+        xt[j] = value(t, tid + j * NT);
       }
 #pragma unroll
       for (int h = 0; h < HB; ++h) {
@@ -365,6 +437,17 @@ def heads_per_block(heads):
     if heads <= 32:
         return heads
     return next(n for n in (32, 16, 8, 4, 2, 1) if heads % n == 0)
+
+
+def staged_row(width, bits, group_size, size, scale_at):
+    """Bytes a latent row takes in the kernel's ring: an exact row, or a
+    packed row's bytes and the 16-byte span of its values from its first scale
+    to its last bias (``size``: the latent dtype's bytes), each rounded up to
+    16 bytes, as SOURCE lays them out."""
+    if bits == 0:
+        return -(-width * size // 16) * 16
+    end = scale_at + 2 * (width // group_size) * size
+    return -(-width * bits // 8 // 16) * 16 + -(-end // 16) * 16 - scale_at // 16 * 16
 
 
 def sm_count():
@@ -456,12 +539,15 @@ def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
     q = mx.contiguous((queries * scale).astype(mx.float32).reshape(B, H, D))
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
+    row = staged_row(D, bits, group_size, dtype.size, scale_at)
+    stages = max(2, min(4, STAGED // (TILE * row)))
     # Whole tiles a block, as the kernel shares them out: no block left idle.
     parts = splits(B, groups, math.ceil(L / TILE), sms or sm_count())
     template = [
         ("D", D),
         ("HB", HB),
         ("TILE", TILE),
+        ("STAGES", stages),
         ("NT", NT),
         ("BITS", bits),
         ("G", group_size),
@@ -477,7 +563,9 @@ def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
         template=template,
         grid=(parts * NT, groups, B),
         threadgroup=(NT, 1, 1),
-        shared_memory=4 * (TILE * (D + 1) + HB * TILE + 3 * HB),
+        # The ring of raw rows, then (packed rows) their floats, scores, stats.
+        shared_memory=stages * TILE * row
+        + 4 * ((TILE * (D + 1) if bits else 0) + HB * TILE + 3 * HB),
         output_shapes=[(B, H, parts, D), (B, H, parts, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )

@@ -3,7 +3,9 @@ arithmetic is tested where no GPU is: the same header and body, under the
 signature MLX generates (each input, then ``<name>_shape`` / ``_strides`` where
 the body names them, then the outputs), compiled with g++. A block's threads
 are fibers switched at ``__syncthreads`` and at each warp shuffle; blocks run
-one after another, so the dynamic shared memory is one array."""
+one after another, so the dynamic shared memory is one array (NaN at each
+block's start). The header's asynchronous copies (``mla_copy16``) land only at
+the wait that covers them, for the thread that waits."""
 
 import ctypes
 import hashlib
@@ -49,12 +51,23 @@ struct __nv_bfloat16 {
   }
 };
 typedef _Float16 __half;
-// CUDA's 16-byte vector; each copy (a load in the kernel) is counted.
+namespace mlx::core::cu {
+alignas(16) float smem[1 << 18];
+}
+inline bool in_shared(const void* p) {
+  const char* at = static_cast<const char*>(p);
+  const char* base = reinterpret_cast<const char*>(mlx::core::cu::smem);
+  return at >= base && at < base + sizeof(mlx::core::cu::smem);
+}
+// CUDA's 16-byte vector; each copy from global memory (a load in the
+// kernel) is counted.
 long vector_loads = 0;
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
   uint4() = default;
-  uint4(const uint4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { ++vector_loads; }
+  uint4(const uint4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {
+    vector_loads += !in_shared(&o);
+  }
 };
 
 struct Dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -63,12 +76,18 @@ Dim3 threadIdx, blockIdx, blockDim, gridDim;
 // A block's threads are fibers on one OS thread, switched at each wait: a
 // barrier of the block (id 0) or of a warp (1 + warp) releases its waiters
 // once all its threads have arrived.
+struct Copy {
+  void* to;
+  const void* from;
+};
 struct Fiber {
   ucontext_t context;
   std::vector<char> stack;
   int waits_on = -1;
   unsigned long generation = 0;
   bool done = false;
+  std::vector<Copy> issued;               // since the last commit
+  std::vector<std::vector<Copy>> groups;  // committed, not yet landed
 };
 struct Barrier {
   int threads = 0, arrived = 0;
@@ -92,6 +111,35 @@ inline void wait_at(int id) {
 }
 inline void __syncthreads() { wait_at(0); }
 
+// cp.async as the header's mla_copy16 / mla_commit / mla_wait use it: a
+// copy's bytes land only at the wait that covers its group, and only for
+// the thread that waits, so a tile read before its wait (or before the
+// barrier after it) reads what the buffer held before. Both addresses must
+// be 16-byte aligned, as on a GPU.
+#define MLA_HELD_COPIES
+long async_copies = 0;
+inline void mla_copy16(void* to, const void* from) {
+  if ((reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from)) % 16) {
+    fprintf(stderr, "emulated kernel: misaligned 16-byte async copy\n");
+    __builtin_trap();
+  }
+  ++async_copies;
+  fibers[current].issued.push_back(Copy{to, from});
+}
+inline void mla_commit() {
+  Fiber& f = fibers[current];
+  f.groups.push_back(std::move(f.issued));
+  f.issued.clear();
+}
+template <int N>
+inline void mla_wait() {
+  Fiber& f = fibers[current];
+  while (f.groups.size() > size_t(N)) {
+    for (const Copy& c : f.groups.front()) memcpy(c.to, c.from, 16);
+    f.groups.erase(f.groups.begin());
+  }
+}
+
 // A warp's 32 threads exchange values through its slots, between two waits.
 std::vector<std::array<float, 32>> warp_slots;
 inline float __shfl_xor_sync(unsigned, float value, int offset) {
@@ -108,7 +156,6 @@ using std::max;
 namespace mlx::core::cu {
 using Shape = std::array<int32_t, MAX_NDIM>;
 using Strides = std::array<int64_t, MAX_NDIM>;
-float smem[1 << 18];
 }
 """.replace("MAX_NDIM", str(MAX_NDIM))
 
@@ -151,11 +198,12 @@ def _numpy(a):
 def _strided(x, unaligned=False):
     """A view of ``x`` in a larger buffer: every second row of its first axis,
     from an offset on its third, so the kernel must read through strides;
-    ``unaligned``: bytes from an odd offset, rows an odd number apart."""
+    ``unaligned``: from one value past 16-byte alignment, rows an odd number
+    of values apart."""
     if x.ndim != 4 or x.size <= 1:
         return x
     B, A, L, W = x.shape
-    pad = 1 if unaligned and x.itemsize == 1 else 0
+    pad = 1 if unaligned else 0
     buffer = np.zeros((2 * B, A, L + 7, W + pad), x.dtype)
     view = buffer[::2, :, 3 : 3 + L, pad:]
     view[...] = x
@@ -183,8 +231,9 @@ class Emulator:
         self.row_contiguous = ensure_row_contiguous
         self.folder = Path(folder or tempfile.mkdtemp(prefix="cuda-emulator-"))
         self.libraries = {}
-        self.unaligned = False  # byte inputs out of 16-byte alignment
-        self.vector_loads = 0  # 16-byte loads the last launch made
+        self.unaligned = False  # inputs out of 16-byte alignment
+        self.vector_loads = 0  # 16-byte loads from global memory, last launch
+        self.async_copies = 0  # 16-byte copies that land later, last launch
 
     def _signature(self, dtypes, output_dtypes, template, grid_constant=""):
         """Parameters, the launcher's arguments for them, and the template's
@@ -265,10 +314,12 @@ static void run_thread() {{
 }}
 
 extern "C" long loads16() {{ return vector_loads; }}
+extern "C" long copies16() {{ return async_copies; }}
 
 extern "C" void launch(void** data, const int32_t* shapes,
     const int64_t* strides, int gx, int gy, int gz, int nt) {{
   vector_loads = 0;
+  async_copies = 0;
   g_data = data;
   g_shapes = shapes;
   g_strides = strides;
@@ -281,6 +332,9 @@ extern "C" void launch(void** data, const int32_t* shapes,
     barriers[0].threads = nt;
     for (int w = 0; w < nt / 32; ++w) barriers[1 + w].threads = 32;
     warp_slots.assign(nt / 32, {{}});
+    // Shared memory starts as garbage (NaN as floats): nothing read before
+    // it is written or landed passes for data.
+    memset(mlx::core::cu::smem, 0xFF, sizeof(mlx::core::cu::smem));
     fibers.assign(nt, Fiber{{}});
     for (int t = 0; t < nt; ++t) {{
       Fiber& f = fibers[t];
@@ -345,6 +399,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
         code = self._code([a.dtype for a in inputs], output_dtypes, template)
         library = self._library(code)
         library.loads16.restype = ctypes.c_long
+        library.copies16.restype = ctypes.c_long
         arrays = [np.ascontiguousarray(_numpy(a)) for a in inputs]
         if not self.row_contiguous:
             arrays = [_strided(a, self.unaligned) for a in arrays]
@@ -373,6 +428,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
             tx,
         )
         self.vector_loads = library.loads16()
+        self.async_copies = library.copies16()
         return [
             mx.view(mx.array(o), mx.bfloat16) if dtype == mx.bfloat16 else mx.array(o)
             for o, dtype in zip(outputs, output_dtypes)

@@ -7,7 +7,10 @@ other machines its source runs on the CPU (tests/cuda_emulator.py)."""
 import ctypes
 import logging
 import math
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -108,17 +111,35 @@ def test_the_kernel_reads_a_quantized_latent_from_its_bytes(kernel, bits):
     assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
 
 
-@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's loads")
+@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's copies")
 @pytest.mark.parametrize("bits, row_bytes", [(8, 512), (4, 256), (2, 128)])
-def test_aligned_quantized_rows_are_read_16_bytes_at_a_time(
+def test_aligned_quantized_rows_are_staged_by_async_16_byte_copies(
     kernel, emulator, bits, row_bytes
 ):
     cache, x = packed_cache(bits)
     q = queries(dtype=mx.bfloat16)
     expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
     assert close(kernel(q, x, 0.05, None, cache.latent_bytes(x)), expected, x.dtype)
-    # Each row of both sequences once, for the one group of 20 heads.
-    assert emulator.vector_loads == 2 * 150 * row_bytes // 16
+    # Each row of both sequences once, for the one group of 20 heads: its
+    # bytes, and the 32 of its scales and biases (after 128 of RoPE key).
+    assert emulator.async_copies == 2 * 150 * (row_bytes // 16 + 32 // 16)
+    assert emulator.vector_loads == 0
+
+
+@pytest.mark.skipif(ON_CUDA, reason="counts the emulator's copies")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_aligned_exact_rows_are_staged_by_async_16_byte_copies(kernel, emulator, dtype):
+    q, x = queries(dtype=dtype), latent(dtype=dtype)
+    assert close(kernel(q, x, 0.05), decode.reference_attention(q, x, 0.05), dtype)
+    assert emulator.async_copies == 2 * 150 * 512 * dtype.size // 16
+
+
+def test_unaligned_exact_rows_are_read_a_value_at_a_time(kernel, emulator, monkeypatch):
+    monkeypatch.setattr(emulator, "unaligned", True)
+    q, x = queries(dtype=mx.bfloat16), latent(dtype=mx.bfloat16)
+    expected = decode.reference_attention(q, x, 0.05)
+    assert close(kernel(q, x, 0.05), expected, mx.bfloat16)
+    assert ON_CUDA or emulator.async_copies == 0
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -133,7 +154,7 @@ def test_unaligned_quantized_rows_are_read_a_byte_at_a_time(
     q = queries(dtype=mx.bfloat16)
     expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
     assert close(kernel(q, x, 0.05, None, (wider, values, fmt)), expected, x.dtype)
-    assert ON_CUDA or emulator.vector_loads == 0
+    assert ON_CUDA or emulator.vector_loads == emulator.async_copies == 0
 
 
 def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
@@ -336,6 +357,111 @@ def test_the_combine_weighs_splits_alike_where_every_position_is_masked(combine)
     ml = mx.stack([mx.full((2, 3, 3), LOW), ml[..., 1]], axis=-1)
     expected = o.sum(axis=2, keepdims=True) / ml[..., 1:].sum(axis=2, keepdims=True)
     assert close(combine(o, ml, mx.float32), expected, mx.float32)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+@pytest.mark.parametrize("positions", [5, 35, 83, 96], ids=lambda n: f"{n}-positions")
+def test_a_block_of_any_number_of_tiles_attends_as_the_reference(
+    kernel, monkeypatch, kind, positions
+):
+    # One block takes every tile: 1, 3 (fewer than the ring holds), 6 with a
+    # partial last, 6 whole.
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 1)
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1, L=positions)
+        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
+    else:
+        x, packed, reader = latent(B=1, L=positions, dtype=mx.bfloat16), None, None
+    expected = decode.reference_attention(q, x, 0.05, None, reader)
+    assert close(kernel(q, x, 0.05, None, packed), expected, mx.bfloat16)
+
+
+WAIT = "    mla_wait<STAGES - 1>();\n    __syncthreads();\n"
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [
+        "",
+        "    __syncthreads();\n    mla_wait<STAGES - 1>();\n",
+        "    mla_wait<STAGES>();\n    __syncthreads();\n",
+    ],
+    ids=["no-wait", "wait-after-the-barrier", "wait-a-tile-short"],
+)
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
+    tmp_path, monkeypatch, combine, mutant, kind
+):
+    # In the emulator a copy lands only at its thread's wait (shared memory
+    # before it is garbage), as a GPU does not promise it earlier.
+    assert decode_cuda.SOURCE.count(WAIT) == 1
+    emulated = Emulator(
+        decode_cuda.INPUTS,
+        decode_cuda.OUTPUTS,
+        decode_cuda.SOURCE.replace(WAIT, mutant),
+        decode_cuda.HEADER,
+        folder=tmp_path,
+    )
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1)
+        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
+    else:
+        x, packed, reader = latent(B=1, dtype=mx.bfloat16), None, None
+    launch = decode_cuda.prepare(q, x, 0.05, None, packed)
+    launch.pop("shared_memory")
+    o, ml = emulated(**launch)
+    got = combine(o, ml, q.dtype)
+    expected = decode.reference_attention(q, x, 0.05, None, reader)
+    assert not close(got, expected, mx.bfloat16)
+
+
+# One 16-byte copy from x + FROM to shared memory + TO, emulated in a child
+# process (a trap ends it).
+COPY = """
+import sys
+import mlx.core as mx
+from cuda_emulator import Emulator
+from mlx_lm_mla import decode_cuda
+source = '''
+  extern __shared__ float smem[];
+  mla_copy16(reinterpret_cast<char*>(smem) + TO,
+             reinterpret_cast<const char*>(x) + FROM);
+  mla_commit();
+  mla_wait<0>();
+  o[threadIdx.x] = smem[TO / 4 + threadIdx.x % 4];
+'''
+copy = Emulator(["x"], ["o"], source, decode_cuda.HEADER, folder=sys.argv[3])
+(o,) = copy(
+    [mx.arange(8, dtype=mx.float32)],
+    [("TO", int(sys.argv[1])), ("FROM", int(sys.argv[2]))],
+    (32, 1, 1), (32, 1, 1), [(32,)], [mx.float32],
+)
+print(o[:4].tolist(), copy.async_copies)
+"""
+
+
+@pytest.mark.parametrize(
+    "to, source, traps",
+    [(16, 0, False), (8, 0, True), (16, 4, True)],
+    ids=["aligned", "destination-off", "source-off"],
+)
+def test_the_emulator_traps_an_async_copy_out_of_alignment(tmp_path, to, source, traps):
+    child = subprocess.run(
+        [sys.executable, "-c", COPY, str(to), str(source), str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if traps:
+        assert child.returncode != 0
+        assert "misaligned 16-byte async copy" in child.stderr
+    else:
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.split() == ["[0.0,", "1.0,", "2.0,", "3.0]", "32"]
 
 
 @pytest.mark.parametrize(
