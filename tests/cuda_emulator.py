@@ -5,7 +5,8 @@ the body names them, then the outputs), compiled with g++. A block's threads
 are fibers switched at ``__syncthreads`` and at each warp shuffle; blocks run
 one after another, so the dynamic shared memory is one array (NaN at each
 block's start). The header's asynchronous copies (``mla_copy16``) land only at
-the wait that covers them, for the thread that waits."""
+the wait that covers them, for the thread that waits; or, with
+``copies_land_at_issue``, as they are issued, the earliest a GPU may land them."""
 
 import ctypes
 import hashlib
@@ -124,7 +125,11 @@ inline void mla_copy16(void* to, const void* from) {
     __builtin_trap();
   }
   ++async_copies;
+#ifdef MLA_COPIES_LAND_AT_ISSUE  // a slot refilled while read is overwritten
+  memcpy(to, from, 16);
+#else
   fibers[current].issued.push_back(Copy{to, from});
+#endif
 }
 inline void mla_commit() {
   Fiber& f = fibers[current];
@@ -225,10 +230,12 @@ class Emulator:
         header="",
         folder=None,
         ensure_row_contiguous=False,
+        copies_land_at_issue=False,
     ):
         self.names, self.outputs = list(input_names), list(output_names)
         self.source, self.header = source, header
         self.row_contiguous = ensure_row_contiguous
+        self.land_at_issue = copies_land_at_issue
         self.folder = Path(folder or tempfile.mkdtemp(prefix="cuda-emulator-"))
         self.libraries = {}
         self.unaligned = False  # inputs out of 16-byte alignment
@@ -281,7 +288,8 @@ __global__ void kernel({params}) {{
 
     def _code(self, dtypes, output_dtypes, template):
         params, unpack, constants = self._signature(dtypes, output_dtypes, template)
-        return f"""{PRELUDE}
+        early = "#define MLA_COPIES_LAND_AT_ISSUE\n" if self.land_at_issue else ""
+        return f"""{early}{PRELUDE}
 {self.header}
 namespace mlx::core::cu {{
 void kernel({params}) {{
