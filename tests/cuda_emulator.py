@@ -324,8 +324,10 @@ static void run_thread() {{
 extern "C" long loads16() {{ return vector_loads; }}
 extern "C" long copies16() {{ return async_copies; }}
 
-extern "C" void launch(void** data, const int32_t* shapes,
-    const int64_t* strides, int gx, int gy, int gz, int nt) {{
+// 1 where a block wrote shared memory beyond the bytes it asked for (where
+// asked, >= 0): the GPU gives it no more.
+extern "C" int launch(void** data, const int32_t* shapes,
+    const int64_t* strides, int gx, int gy, int gz, int nt, long asked) {{
   vector_loads = 0;
   async_copies = 0;
   g_data = data;
@@ -376,7 +378,14 @@ extern "C" void launch(void** data, const int32_t* shapes,
         abort();
       }}
     }}
+    const unsigned char* bytes =
+        reinterpret_cast<const unsigned char*>(mlx::core::cu::smem);
+    for (size_t i = asked < 0 ? sizeof(mlx::core::cu::smem) : size_t(asked);
+         i < sizeof(mlx::core::cu::smem); ++i) {{
+      if (bytes[i] != 0xFF) return 1;
+    }}
   }}
+  return 0;
 }}
 """
 
@@ -402,12 +411,22 @@ extern "C" void launch(void** data, const int32_t* shapes,
         return self.libraries[digest]
 
     def __call__(
-        self, inputs, template, grid, threadgroup, output_shapes, output_dtypes
+        self,
+        inputs,
+        template,
+        grid,
+        threadgroup,
+        output_shapes,
+        output_dtypes,
+        shared_memory=None,
     ):
+        """The outputs; with ``shared_memory`` (bytes, as MLX's argument), an
+        error where a block wrote shared memory beyond them."""
         code = self._code([a.dtype for a in inputs], output_dtypes, template)
         library = self._library(code)
         library.loads16.restype = ctypes.c_long
         library.copies16.restype = ctypes.c_long
+        library.launch.restype = ctypes.c_int
         arrays = [np.ascontiguousarray(_numpy(a)) for a in inputs]
         if not self.row_contiguous:
             arrays = [_strided(a, self.unaligned) for a in arrays]
@@ -426,7 +445,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
         (gx, gy, gz), (tx, ty, tz) = grid, threadgroup
         assert ty == tz == 1 and gx % tx == 0, "one-dimensional blocks only"
         assert tx % 32 == 0, "whole warps only"
-        library.launch(
+        beyond = library.launch(
             data,
             shapes.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             strides.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
@@ -434,7 +453,13 @@ extern "C" void launch(void** data, const int32_t* shapes,
             gy,
             gz,
             tx,
+            ctypes.c_long(-1 if shared_memory is None else shared_memory),
         )
+        if beyond:
+            raise RuntimeError(
+                f"emulated kernel: a block wrote shared memory beyond the "
+                f"{shared_memory} bytes it asked for"
+            )
         self.vector_loads = library.loads16()
         self.async_copies = library.copies16()
         return [

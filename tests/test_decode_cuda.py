@@ -56,7 +56,8 @@ def combine(tmp_path_factory):
 @pytest.fixture
 def kernel(emulator, combine, monkeypatch):
     """``decode_cuda.latent_attention``: as built on CUDA, else its source
-    emulated, on a GPU of 4 SMs so a tiny step still spans several blocks."""
+    emulated, on a GPU of 4 SMs so a tiny step still spans several blocks,
+    and kept to the shared memory it asks for."""
     monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
     if ON_CUDA:
         return decode_cuda.latent_attention
@@ -65,7 +66,6 @@ def kernel(emulator, combine, monkeypatch):
         launch = decode_cuda.prepare(queries, latent, scale, mask, packed)
         if launch is None:
             return None
-        launch.pop("shared_memory")
         o, ml = emulator(**launch)
         return combine(o, ml, queries.dtype)
 
@@ -418,6 +418,21 @@ def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
     assert not close(got, expected, mx.bfloat16)
 
 
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+def test_a_kernel_given_less_shared_memory_than_it_uses_is_an_error(emulator, kind):
+    # The emulator's shared memory is larger than a GPU gives: it checks.
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1)
+        packed = cache.latent_bytes(x)
+    else:
+        x, packed = latent(B=1, dtype=mx.bfloat16), None
+    launch = decode_cuda.prepare(q, x, 0.05, None, packed, sms=4)
+    launch["shared_memory"] -= 4  # the last head's carry
+    with pytest.raises(RuntimeError, match="beyond the .* bytes it asked for"):
+        emulator(**launch)
+
+
 # The barrier that ends a tile: only after it may a thread refill the ring slot
 # that tile was read from (its copies may land as soon as they are issued).
 TILE_END = "    __syncthreads();\n  }\n\n#pragma unroll\n"
@@ -441,7 +456,6 @@ def copies_landing_at_issue(source, folder, combine, kind):
     else:
         x, packed, reader = latent(B=1, dtype=mx.bfloat16), None, None
     launch = decode_cuda.prepare(q, x, 0.05, None, packed, sms=4)
-    launch.pop("shared_memory")
     o, ml = emulated(**launch)
     assert emulated.async_copies > 0
     got = combine(o, ml, q.dtype)
