@@ -5,7 +5,8 @@ the body names them, then the outputs), compiled with g++. A block's threads
 are fibers switched at ``__syncthreads`` and at each warp shuffle; blocks run
 one after another, so the dynamic shared memory is one array (NaN at each
 block's start). The header's asynchronous copies (``mla_copy16``) land only at
-the wait that covers them, for the thread that waits."""
+the wait that covers them, for the thread that waits; or, with
+``copies_land_at_issue``, as they are issued, the earliest a GPU may land them."""
 
 import ctypes
 import hashlib
@@ -124,7 +125,11 @@ inline void mla_copy16(void* to, const void* from) {
     __builtin_trap();
   }
   ++async_copies;
+#ifdef MLA_COPIES_LAND_AT_ISSUE  // a slot refilled while read is overwritten
+  memcpy(to, from, 16);
+#else
   fibers[current].issued.push_back(Copy{to, from});
+#endif
 }
 inline void mla_commit() {
   Fiber& f = fibers[current];
@@ -225,10 +230,12 @@ class Emulator:
         header="",
         folder=None,
         ensure_row_contiguous=False,
+        copies_land_at_issue=False,
     ):
         self.names, self.outputs = list(input_names), list(output_names)
         self.source, self.header = source, header
         self.row_contiguous = ensure_row_contiguous
+        self.land_at_issue = copies_land_at_issue
         self.folder = Path(folder or tempfile.mkdtemp(prefix="cuda-emulator-"))
         self.libraries = {}
         self.unaligned = False  # inputs out of 16-byte alignment
@@ -281,7 +288,8 @@ __global__ void kernel({params}) {{
 
     def _code(self, dtypes, output_dtypes, template):
         params, unpack, constants = self._signature(dtypes, output_dtypes, template)
-        return f"""{PRELUDE}
+        early = "#define MLA_COPIES_LAND_AT_ISSUE\n" if self.land_at_issue else ""
+        return f"""{early}{PRELUDE}
 {self.header}
 namespace mlx::core::cu {{
 void kernel({params}) {{
@@ -316,8 +324,10 @@ static void run_thread() {{
 extern "C" long loads16() {{ return vector_loads; }}
 extern "C" long copies16() {{ return async_copies; }}
 
-extern "C" void launch(void** data, const int32_t* shapes,
-    const int64_t* strides, int gx, int gy, int gz, int nt) {{
+// 1 where a block wrote shared memory beyond the bytes it asked for (where
+// asked, >= 0): the GPU gives it no more.
+extern "C" int launch(void** data, const int32_t* shapes,
+    const int64_t* strides, int gx, int gy, int gz, int nt, long asked) {{
   vector_loads = 0;
   async_copies = 0;
   g_data = data;
@@ -368,7 +378,14 @@ extern "C" void launch(void** data, const int32_t* shapes,
         abort();
       }}
     }}
+    const unsigned char* bytes =
+        reinterpret_cast<const unsigned char*>(mlx::core::cu::smem);
+    for (size_t i = asked < 0 ? sizeof(mlx::core::cu::smem) : size_t(asked);
+         i < sizeof(mlx::core::cu::smem); ++i) {{
+      if (bytes[i] != 0xFF) return 1;
+    }}
   }}
+  return 0;
 }}
 """
 
@@ -394,12 +411,22 @@ extern "C" void launch(void** data, const int32_t* shapes,
         return self.libraries[digest]
 
     def __call__(
-        self, inputs, template, grid, threadgroup, output_shapes, output_dtypes
+        self,
+        inputs,
+        template,
+        grid,
+        threadgroup,
+        output_shapes,
+        output_dtypes,
+        shared_memory=None,
     ):
+        """The outputs; with ``shared_memory`` (bytes, as MLX's argument), an
+        error where a block wrote shared memory beyond them."""
         code = self._code([a.dtype for a in inputs], output_dtypes, template)
         library = self._library(code)
         library.loads16.restype = ctypes.c_long
         library.copies16.restype = ctypes.c_long
+        library.launch.restype = ctypes.c_int
         arrays = [np.ascontiguousarray(_numpy(a)) for a in inputs]
         if not self.row_contiguous:
             arrays = [_strided(a, self.unaligned) for a in arrays]
@@ -418,7 +445,7 @@ extern "C" void launch(void** data, const int32_t* shapes,
         (gx, gy, gz), (tx, ty, tz) = grid, threadgroup
         assert ty == tz == 1 and gx % tx == 0, "one-dimensional blocks only"
         assert tx % 32 == 0, "whole warps only"
-        library.launch(
+        beyond = library.launch(
             data,
             shapes.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             strides.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
@@ -426,7 +453,13 @@ extern "C" void launch(void** data, const int32_t* shapes,
             gy,
             gz,
             tx,
+            ctypes.c_long(-1 if shared_memory is None else shared_memory),
         )
+        if beyond:
+            raise RuntimeError(
+                f"emulated kernel: a block wrote shared memory beyond the "
+                f"{shared_memory} bytes it asked for"
+            )
         self.vector_loads = library.loads16()
         self.async_copies = library.copies16()
         return [

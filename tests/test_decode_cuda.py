@@ -56,7 +56,8 @@ def combine(tmp_path_factory):
 @pytest.fixture
 def kernel(emulator, combine, monkeypatch):
     """``decode_cuda.latent_attention``: as built on CUDA, else its source
-    emulated, on a GPU of 4 SMs so a tiny step still spans several blocks."""
+    emulated, on a GPU of 4 SMs so a tiny step still spans several blocks,
+    and kept to the shared memory it asks for."""
     monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
     if ON_CUDA:
         return decode_cuda.latent_attention
@@ -65,7 +66,6 @@ def kernel(emulator, combine, monkeypatch):
         launch = decode_cuda.prepare(queries, latent, scale, mask, packed)
         if launch is None:
             return None
-        launch.pop("shared_memory")
         o, ml = emulator(**launch)
         return combine(o, ml, queries.dtype)
 
@@ -415,6 +415,66 @@ def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
     o, ml = emulated(**launch)
     got = combine(o, ml, q.dtype)
     expected = decode.reference_attention(q, x, 0.05, None, reader)
+    assert not close(got, expected, mx.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+def test_a_kernel_given_less_shared_memory_than_it_uses_is_an_error(emulator, kind):
+    # The emulator's shared memory is larger than a GPU gives: it checks.
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1)
+        packed = cache.latent_bytes(x)
+    else:
+        x, packed = latent(B=1, dtype=mx.bfloat16), None
+    launch = decode_cuda.prepare(q, x, 0.05, None, packed, sms=4)
+    launch["shared_memory"] -= 4  # the last head's carry
+    with pytest.raises(RuntimeError, match="beyond the .* bytes it asked for"):
+        emulator(**launch)
+
+
+# The barrier that ends a tile: only after it may a thread refill the ring slot
+# that tile was read from (its copies may land as soon as they are issued).
+TILE_END = "    __syncthreads();\n  }\n\n#pragma unroll\n"
+
+
+def copies_landing_at_issue(source, folder, combine, kind):
+    """(kernel's attention, reference) for a step run by ``source`` with each
+    copy landing as it is issued, on 4 SMs (several tiles a block)."""
+    emulated = Emulator(
+        decode_cuda.INPUTS,
+        decode_cuda.OUTPUTS,
+        source,
+        decode_cuda.HEADER,
+        folder=folder,
+        copies_land_at_issue=True,
+    )
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1)
+        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
+    else:
+        x, packed, reader = latent(B=1, dtype=mx.bfloat16), None, None
+    launch = decode_cuda.prepare(q, x, 0.05, None, packed, sms=4)
+    o, ml = emulated(**launch)
+    assert emulated.async_copies > 0
+    got = combine(o, ml, q.dtype)
+    return got, decode.reference_attention(q, x, 0.05, None, reader)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
+def test_the_kernel_holds_where_copies_land_as_soon_as_issued(tmp_path, combine, kind):
+    got, expected = copies_landing_at_issue(decode_cuda.SOURCE, tmp_path, combine, kind)
+    assert close(got, expected, mx.bfloat16)
+
+
+def test_a_kernel_that_refills_a_slot_before_every_thread_read_it_disagrees(
+    tmp_path, combine
+):
+    # Exact rows are read in place from the ring to the tile's last step.
+    assert decode_cuda.SOURCE.count(TILE_END) == 1
+    mutant = decode_cuda.SOURCE.replace(TILE_END, "  }\n\n#pragma unroll\n")
+    got, expected = copies_landing_at_issue(mutant, tmp_path, combine, "bfloat16")
     assert not close(got, expected, mx.bfloat16)
 
 
