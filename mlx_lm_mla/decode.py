@@ -341,6 +341,9 @@ def kernel_checked(kind):
     return _KERNEL_AGREES[kind]
 
 
+CHECK_TILES = 2 * decode_cuda.RING[1] + 1  # a block's tiles in kernel_agrees
+
+
 def kernel_agrees(kind, batch=2):
     """The kernel and the fold on random rows of ``kind`` (``batch`` sequences,
     enough positions that each block takes several tiles, a mask if the step
@@ -349,9 +352,10 @@ def kernel_agrees(kind, batch=2):
     which rounds to the model's dtype where the kernel keeps float32."""
     H, D, dtype, fmt, mask_dtype = kind
     groups = -(-H // decode_cuda.heads_per_block(H))
-    # The blocks of a long step on this GPU, three tiles each (the last partial).
+    # The blocks of a long step on this GPU, each taking enough tiles (the last
+    # partial) that every slot of the largest ring is refilled twice.
     blocks = decode_cuda.splits(batch, groups, 1 << 30, decode_cuda.sm_count())
-    L = 3 * decode_cuda.TILE * blocks - 5
+    L = CHECK_TILES * decode_cuda.TILE * blocks - 5
     k = mx.random.split(mx.random.key(0), 3)
     q = mx.random.normal((batch, H, 1, D), key=k[0]).astype(dtype)
     rows = mx.random.normal((batch, 1, L, D), key=k[1])

@@ -25,6 +25,7 @@ TILE = 16  # positions decoded into shared memory at a time
 # Raw rows a block stages ahead, at most: 2 to 4 tiles in the ring, so while
 # it works on one tile the copies of the next one to three are in flight.
 STAGED = 32 * 1024
+RING = (2, 4)  # tiles in the ring, fewest and most
 # Blocks a step per SM: one block (256 threads at 155-190 registers) is resident
 # on an SM at a time, so a second wave adds no concurrency, only partials.
 WAVES = 1
@@ -540,7 +541,7 @@ def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
     row = staged_row(D, bits, group_size, dtype.size, scale_at)
-    stages = max(2, min(4, STAGED // (TILE * row)))
+    stages = max(RING[0], min(RING[1], STAGED // (TILE * row)))
     # Whole tiles a block, as the kernel shares them out: no block left idle.
     parts = splits(B, groups, math.ceil(L / TILE), sms or sm_count())
     template = [

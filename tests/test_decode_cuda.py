@@ -695,8 +695,38 @@ def test_the_check_runs_two_sequences_and_several_tiles_a_block(monkeypatch):
         q, x = launch["inputs"][:2]
         splits = launch["grid"][0] // launch["threadgroup"][0]
         tiles = math.ceil(x.shape[2] / decode_cuda.TILE)
-        assert q.shape[0] == 2 and tiles == 3 * splits
+        assert q.shape[0] == 2 and tiles == decode.CHECK_TILES * splits
         assert 132 - 2 * launch["grid"][1] < blocks(launch) <= 132
+
+
+SLOT = "    const uint8_t* rows = stage + (i % STAGES) * STAGE;\n"
+
+
+def test_a_kernel_wrong_once_its_ring_wraps_fails_its_check(
+    tmp_path, monkeypatch, combine
+):
+    # Every tile after the ring's last slot read from that slot: right for a
+    # block's first 4 tiles (a 4-bit ring), wrong from its 5th.
+    assert decode_cuda.SOURCE.count(SLOT) == 1
+    emulated = Emulator(
+        decode_cuda.INPUTS,
+        decode_cuda.OUTPUTS,
+        decode_cuda.SOURCE.replace(
+            SLOT, SLOT.replace("i % STAGES", "min(i, STAGES - 1)")
+        ),
+        decode_cuda.HEADER,
+        folder=tmp_path,
+    )
+
+    def run(queries, latent, scale, mask=None, packed=None):
+        launch = decode_cuda.prepare(queries, latent, scale, mask, packed)
+        assert dict(launch["template"])["STAGES"] == decode_cuda.RING[1]
+        o, ml = emulated(**launch)
+        return combine(o, ml, queries.dtype)
+
+    monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
+    monkeypatch.setattr(decode_cuda, "latent_attention", run)
+    assert not decode.kernel_agrees((20, 512, mx.bfloat16, QUANTIZED, mx.bfloat16))
 
 
 def test_a_kernel_wrong_beyond_the_first_sequence_fails_its_check(kernel, monkeypatch):
