@@ -479,8 +479,10 @@ def _driver_sm_count():
 
     device, value = ctypes.c_int(), ctypes.c_int()
     call("cuInit", 0)
-    # MLX's device by its PCI address; with one GPU, that one.
-    bus = getattr(mx, "device_info", dict)().get("pci_bus_id")
+    # MLX's device by its PCI address, asked of the default device as it is now
+    # (mlx 0.31.1's default argument is the one at import); with one GPU, that.
+    info = getattr(mx, "device_info", None)
+    bus = info(mx.default_device()).get("pci_bus_id") if info else None
     if bus:
         call("cuDeviceGetByPCIBusId", ctypes.byref(device), bus.encode())
     else:

@@ -279,14 +279,17 @@ def driver(fake_driver, monkeypatch):
 def test_the_sm_count_is_the_drivers_for_mlxs_gpu_by_its_pci_address(
     driver, monkeypatch
 ):
-    monkeypatch.setattr(mx, "device_info", lambda: {"pci_bus_id": "0000:3b:00.0"})
+    asked = []  # the devices MLX is asked about
+    info = {"pci_bus_id": "0000:3b:00.0"}
+    monkeypatch.setattr(mx, "device_info", lambda d: asked.append(d) or info)
     assert decode_cuda.sm_count() == 132
     assert decode_cuda.sm_count() == 132
     assert ctypes.c_int.in_dll(driver, "inits").value == 1  # asked once
+    assert asked == [mx.default_device()]
 
 
 def test_without_a_pci_address_the_one_gpu_is_asked(driver, monkeypatch):
-    monkeypatch.setattr(mx, "device_info", dict)
+    monkeypatch.setattr(mx, "device_info", lambda d: {})
     ctypes.c_int.in_dll(driver, "gpus").value = 1
     assert decode_cuda.sm_count() == 108
 
@@ -294,7 +297,7 @@ def test_without_a_pci_address_the_one_gpu_is_asked(driver, monkeypatch):
 def test_without_a_pci_address_among_several_gpus_the_sm_count_is_an_error(
     driver, monkeypatch
 ):
-    monkeypatch.setattr(mx, "device_info", dict)
+    monkeypatch.setattr(mx, "device_info", lambda d: {})
     with pytest.raises(RuntimeError, match="2 GPUs and MLX names none"):
         decode_cuda.sm_count()
 
