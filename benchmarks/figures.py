@@ -381,16 +381,11 @@ def disk_index(data, table=None):
 def cpu_rule(data, table=None):
     """The fold against stock's attention on the same bf16 cache at short
     contexts: one layer's attention (default) or the whole model (``model``)."""
-    kind, key = (
-        ("decode_rows", "tokens_per_s")
-        if table == "model"
-        else (
-            "attention_rows",
-            "ms",
-        )
-    )
+    if table == "model":
+        kind, key, ratio, unit = "decode_rows", "tokens_per_s", "ratio", "tokens/s"
+    else:
+        kind, key, ratio, unit = "attention_rows", "ms", "speed", "ms"
     got = {(r["context"], r["batch"], r["variant"]): r for r in data[kind]}
-    unit = "tokens/s" if table == "model" else "ms"
     header = ["positions", "batch", f"stock {unit}", f"fold {unit}", "fold x stock"]
     rows = [
         (
@@ -398,7 +393,7 @@ def cpu_rule(data, table=None):
             b,
             f"{got[c, b, 'stock'][key]:.2f}",
             f"{r[key]:.2f}",
-            f"{r['ratio' if table == 'model' else 'speed']:.2f}",
+            f"{r[ratio]:.2f}",
         )
         for (c, b, v), r in got.items()
         if v == "ours"

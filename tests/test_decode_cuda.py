@@ -380,6 +380,16 @@ def test_a_block_of_any_number_of_tiles_attends_as_the_reference(
     assert close(kernel(q, x, 0.05, None, packed), expected, mx.bfloat16)
 
 
+def step_rows(kind):
+    """(queries, latent, its packed bytes, its reader) of a one-sequence
+    bfloat16 step over exact rows (no bytes, no reader) or a 4-bit cache."""
+    q = queries(B=1, dtype=mx.bfloat16)
+    if kind == "4-bit":
+        cache, x = packed_cache(4, B=1)
+        return q, x, cache.latent_bytes(x), cache.latent_reader(x)
+    return q, latent(B=1, dtype=mx.bfloat16), None, None
+
+
 WAIT = "    mla_wait<STAGES - 1>();\n    __syncthreads();\n"
 
 
@@ -407,12 +417,7 @@ def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
         folder=tmp_path,
     )
     monkeypatch.setattr(decode_cuda, "sm_count", lambda: 4)
-    q = queries(B=1, dtype=mx.bfloat16)
-    if kind == "4-bit":
-        cache, x = packed_cache(4, B=1)
-        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
-    else:
-        x, packed, reader = latent(B=1, dtype=mx.bfloat16), None, None
+    q, x, packed, reader = step_rows(kind)
     launch = decode_cuda.prepare(q, x, 0.05, None, packed)
     launch.pop("shared_memory")
     o, ml = emulated(**launch)
@@ -424,12 +429,7 @@ def test_a_kernel_that_reads_a_tile_before_it_lands_disagrees(
 @pytest.mark.parametrize("kind", ["bfloat16", "4-bit"])
 def test_a_kernel_given_less_shared_memory_than_it_uses_is_an_error(emulator, kind):
     # The emulator's shared memory is larger than a GPU gives: it checks.
-    q = queries(B=1, dtype=mx.bfloat16)
-    if kind == "4-bit":
-        cache, x = packed_cache(4, B=1)
-        packed = cache.latent_bytes(x)
-    else:
-        x, packed = latent(B=1, dtype=mx.bfloat16), None
+    q, x, packed, _ = step_rows(kind)
     launch = decode_cuda.prepare(q, x, 0.05, None, packed, sms=4)
     launch["shared_memory"] -= 4  # the last head's carry
     with pytest.raises(RuntimeError, match="beyond the .* bytes it asked for"):
@@ -452,12 +452,7 @@ def copies_landing_at_issue(source, folder, combine, kind):
         folder=folder,
         copies_land_at_issue=True,
     )
-    q = queries(B=1, dtype=mx.bfloat16)
-    if kind == "4-bit":
-        cache, x = packed_cache(4, B=1)
-        packed, reader = cache.latent_bytes(x), cache.latent_reader(x)
-    else:
-        x, packed, reader = latent(B=1, dtype=mx.bfloat16), None, None
+    q, x, packed, reader = step_rows(kind)
     launch = decode_cuda.prepare(q, x, 0.05, None, packed, sms=4)
     o, ml = emulated(**launch)
     assert emulated.async_copies > 0
