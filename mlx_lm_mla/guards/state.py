@@ -57,23 +57,27 @@ class Requests:
         with self._lock:
             self._bound.append((obj, state))
 
+    def _find(self, obj) -> Optional[RequestState]:
+        # Under self._lock.
+        return next((s for o, s in self._bound if o is obj), None)
+
     def get(self, obj) -> Optional[RequestState]:
         with self._lock:
-            return next((s for o, s in self._bound if o is obj), None)
+            return self._find(obj)
 
     def bind_to(self, request, obj) -> Optional[RequestState]:
         """Binds ``obj`` to ``request``'s state while the request is open, in
         one step: a close between a lookup and a bind would leave it bound."""
         with self._lock:
-            state = next((s for o, s in self._bound if o is request), None)
+            state = self._find(request)
             if state is not None:
                 self._bound.append((obj, state))
             return state
 
     def close(self, request):
         """Forgets the request and every object bound to its state."""
-        state = self.get(request)
         with self._lock:
+            state = self._find(request)
             self._bound = [(o, s) for o, s in self._bound if s is not state]
 
     def __len__(self):
