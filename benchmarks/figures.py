@@ -65,16 +65,21 @@ def decode_speed(data, table=None):
     one layer's attention (``attention``)."""
     if table == "attention":
         header = ["context", "batch", "variant", "ms", "x stock", "floor MB", "GB/s"]
+        # A share of the memory's peak where the run's GPU told it (CUDA).
+        peak = data.get("device", {}).get("peak_gb_per_s")
+        header += ["% of peak"] if peak else []
         rows = [
             (
                 f"{r['context']:,}",
                 r["batch"],
                 variant(r),
-                f"{r['ms']:.1f}",
+                # A GPU's step is well under a millisecond.
+                f"{r['ms']:.1f}" if r["ms"] >= 1 else f"{r['ms']:.3g}",
                 f"{r['speed']:.2f}",
                 f"{r['floor_mb']:.1f}",
                 f"{r['gb_per_s']:.2f}",
             )
+            + ((f"{r['peak_percent']:.1f}",) if peak else ())
             for r in data["attention_rows"]
         ]
     else:

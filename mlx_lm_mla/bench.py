@@ -393,8 +393,9 @@ def run(args):
     if args.attention:
         args.mla_layer = mla_layer(model)
         kinds.append(("attention", run_attention))
+    here = device()
     print(
-        f"{about['model']}, {layers} layers; device {device()['name']}; "
+        f"{about['model']}, {layers} layers; device {here['name']}; "
         f"load average {load_at_start}",
         file=sys.stderr,
     )
@@ -427,7 +428,7 @@ def run(args):
     return {
         "benchmark": "bench",
         "versions": versions(),
-        "device": device(),
+        "device": here,
         "git": git_state(),
         "settings": settings(),
         "args": args_out,
@@ -436,7 +437,9 @@ def run(args):
         "load_average_1min_at_end": load_average(),
         "seconds": round(time.perf_counter() - started, 1),
         "decode_rows": decode_rows(repetitions, args.variants, layers),
-        "attention_rows": attention_rows(repetitions, args.variants),
+        "attention_rows": attention_rows(
+            repetitions, args.variants, here["peak_gb_per_s"]
+        ),
         "repetitions": repetitions,
     }
 
@@ -477,7 +480,9 @@ def decode_rows(repetitions, variants, layers):
     return rows
 
 
-def attention_rows(repetitions, variants):
+def attention_rows(repetitions, variants, peak_gb_per_s=None):
+    """Per context, batch and variant: the median ms, its ratio to stock's, and
+    the cache's GB/s, with its share of the memory's peak where known."""
     rows = []
     for (context, batch), runs in _groups(repetitions, "attention").items():
         base = statistics.median(r["ms"] for r in runs["stock"])
@@ -494,6 +499,8 @@ def attention_rows(repetitions, variants):
                     speed=base / ms,
                     floor_mb=floor / 1e6,
                     gb_per_s=floor / ms / 1e6,
+                    peak_percent=peak_gb_per_s
+                    and 100 * floor / ms / 1e6 / peak_gb_per_s,
                     samples=[r["ms"] for r in runs[v]],
                 )
             )
@@ -518,6 +525,7 @@ ATTENTION_COLUMNS = [
     ("floor_mb", "cache MB", "{:.1f}"),
     ("gb_per_s", "GB/s", "{:.2f}"),
 ]
+PEAK_COLUMN = ("peak_percent", "% of peak", "{:.1f}")
 
 
 def table(rows, columns, file=None):
@@ -556,11 +564,15 @@ def report(result, decode_columns=DECODE_COLUMNS):
     )
     table(result["decode_rows"], decode_columns)
     if result["attention_rows"]:
+        peak = result["device"].get("peak_gb_per_s")
         print(
             "\nattention: one layer's decode attention alone, ms per call, median; "
-            "GB/s: the cache bytes it reads / its time\n"
+            "GB/s: the cache bytes it reads / its time"
+            + (f"; % of peak: of the GPU memory's {peak:,.0f} GB/s" if peak else "")
+            + "\n"
         )
-        table(result["attention_rows"], ATTENTION_COLUMNS)
+        columns = ATTENTION_COLUMNS + ([PEAK_COLUMN] if peak else [])
+        table(result["attention_rows"], columns)
 
 
 def plot(rows, path):
@@ -597,17 +609,20 @@ def device():
     import mlx.core as mx
 
     info = {}
-    for get in (
-        getattr(mx, "device_info", None),
-        getattr(getattr(mx, "metal", None), "device_info", None),
+    here = mx.default_device()
+    for get, args in (
+        # The default device as it is now: mlx 0.31.1's default argument is
+        # the one at import.
+        (getattr(mx, "device_info", None), (here,)),
+        (getattr(getattr(mx, "metal", None), "device_info", None), ()),
     ):
         try:
-            info = dict(get()) if get else {}
+            info = dict(get(*args)) if get else {}
         except Exception:  # an older mlx, or no such backend
             continue
         if info:
             break
-    kind = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    kind = "cpu" if here == mx.cpu else "gpu"
     if kind == "gpu":
         cuda = getattr(mx, "cuda", None)
         kind = "cuda" if cuda is not None and cuda.is_available() else "metal"
@@ -615,9 +630,24 @@ def device():
     return {
         "name": f"{name} ({kind})",
         "backend": kind,
-        "mlx_device": str(mx.default_device()),
+        "mlx_device": str(here),
+        "peak_gb_per_s": peak_gb_per_s(kind),
         "info": {k: v for k, v in info.items() if isinstance(v, (int, float, str))},
     }
+
+
+def peak_gb_per_s(backend):
+    """The GPU memory's peak bandwidth where its driver tells it (CUDA), else
+    None: MLX does not give it on Metal, and a CPU's is not the cache's path."""
+    if backend != "cuda":
+        return None
+    from mlx_lm_mla import decode_cuda
+
+    try:
+        bandwidth = decode_cuda.gpu().bandwidth
+    except RuntimeError:  # no driver to ask
+        return None
+    return None if bandwidth is None else bandwidth / 1e9
 
 
 def versions():

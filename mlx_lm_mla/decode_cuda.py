@@ -14,6 +14,7 @@ import ctypes
 import logging
 import math
 import os
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -29,9 +30,9 @@ RING = (2, 4)  # tiles in the ring, fewest and most
 # Blocks a step per SM: one block (256 threads at 155-190 registers) is resident
 # on an SM at a time, so a second wave adds no concurrency, only partials.
 WAVES = 1
-# The CUDA driver, asked once for the SM count (Linux, then Windows).
+# The CUDA driver, asked once about the GPU (Linux, then Windows).
 DRIVERS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
-_SMS = []
+_GPU = []
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 # Value d of a latent row as the model sees it: exact rows hold it, quantized
@@ -451,15 +452,31 @@ def staged_row(width, bits, group_size, size, scale_at):
     return -(-width * bits // 8 // 16) * 16 + -(-end // 16) * 16 - scale_at // 16 * 16
 
 
+class GPU(NamedTuple):
+    """What the kernel's launches are sized to, from the CUDA driver."""
+
+    sms: int  # streaming multiprocessors
+    shared_memory: int  # bytes of shared memory a block may take, opted in
+    bandwidth: Optional[float]  # peak memory bytes/s (clock x bus), if told
+
+
+# cuDeviceGetAttribute's numbers (cuda.h's CUdevice_attribute)
+SM_COUNT, MEMORY_CLOCK_KHZ, BUS_WIDTH_BITS, SHARED_OPTIN = 16, 36, 37, 97
+
+
+def gpu():
+    """The GPU that MLX runs on, asked of the CUDA driver once a process (MLX
+    does not give its SMs or limits)."""
+    if not _GPU:
+        _GPU.append(_driver_gpu())
+    return _GPU[0]
+
+
 def sm_count():
-    """The streaming multiprocessors of the GPU that MLX runs on, asked of the
-    CUDA driver once a process (MLX does not give the count)."""
-    if not _SMS:
-        _SMS.append(_driver_sm_count())
-    return _SMS[0]
+    return gpu().sms
 
 
-def _driver_sm_count():
+def _driver_gpu():
     for name in DRIVERS:
         try:
             driver = ctypes.CDLL(name)
@@ -493,8 +510,23 @@ def _driver_sm_count():
                 "decode kernel cannot tell which GPU's SMs to size its blocks to"
             )
         call("cuDeviceGet", ctypes.byref(device), 0)
-    call("cuDeviceGetAttribute", ctypes.byref(value), 16, device)  # SM count
-    return value.value
+
+    def attribute(number, required=True):
+        if required:
+            call("cuDeviceGetAttribute", ctypes.byref(value), number, device)
+            return value.value
+        found = driver.cuDeviceGetAttribute(ctypes.byref(value), number, device)
+        return value.value if found == 0 else 0
+
+    sms, shared = attribute(SM_COUNT), attribute(SHARED_OPTIN)
+    # Two transfers a clock (DDR), as NVIDIA's deviceQuery counts: 3.35 TB/s
+    # for an H100 SXM's 2,619 MHz over 5,120 bits.
+    clock, bus_bits = (
+        attribute(MEMORY_CLOCK_KHZ, False),
+        attribute(BUS_WIDTH_BITS, False),
+    )
+    bandwidth = 2 * clock * 1e3 * bus_bits / 8 if clock and bus_bits else None
+    return GPU(sms, shared, bandwidth)
 
 
 def splits(batch, groups, tiles, sms):
@@ -615,9 +647,11 @@ def combine(o, ml, dtype):
 
 
 def latent_attention(queries, latent, scale, mask=None, packed=None):
-    """The kernel's ``decode.latent_attention``, or None where it has no variant."""
+    """The kernel's ``decode.latent_attention``, or None where it has no variant
+    for these arguments on this GPU (float32 rows take 67 KB of shared memory
+    a block, more than sm_75's 64 KB)."""
     launch = prepare(queries, latent, scale, mask, packed)
-    if launch is None:
+    if launch is None or launch["shared_memory"] > gpu().shared_memory:
         return None
     run = kernel(launch.pop("shared_memory"))
     o, ml = run(**launch)

@@ -95,6 +95,10 @@ def test_the_json_names_the_device_and_the_versions(ran):
     assert data["device"]["mlx_device"] == str(mx.default_device())
     assert data["device"]["backend"] in ("cpu", "metal", "cuda")
     assert data["device"]["name"]
+    # The memory's peak is the CUDA driver's to tell: none on this CPU.
+    assert (
+        data["device"]["peak_gb_per_s"] is None or data["device"]["backend"] == "cuda"
+    )
     versions = data["versions"]
     assert (versions["mlx"], versions["mlx_lm"], versions["mlx_lm_mla"]) == (
         mx.__version__,
@@ -114,6 +118,60 @@ def test_the_json_holds_every_repetition_of_every_variant(ran):
     # The quantized latent is what a step reads: fewer bytes than bf16's.
     read = {r["variant"]: r["cache_bytes"] for r in reps}
     assert read["ours4"] < read["ours8"] < read["ours"] == read["stock"]
+
+
+def test_the_device_is_the_default_one_as_it_is_now(monkeypatch):
+    asked = []
+    info = {"device_name": "Some GPU", "memory_size": 8}
+    monkeypatch.setattr(mx, "device_info", lambda *d: asked.append(d) or info)
+    assert bench.device()["name"].startswith("Some GPU")
+    assert asked == [(mx.default_device(),)]
+
+
+def attention_repetitions(ms):
+    """One repetition of stock and ours each at 1K, batch 1: 200 MB of cache."""
+    return [
+        dict(kind="attention", context=1024, batch=1, variant=v, ms=t, cache_bytes=2e8)
+        for v, t in ms.items()
+    ]
+
+
+def test_attention_rows_give_a_share_of_the_gpus_peak_bandwidth():
+    reps = attention_repetitions({"stock": 1.0, "ours": 0.1})
+    rows = bench.attention_rows(reps, ["stock", "ours"], peak_gb_per_s=3350.0)
+    # 200 MB in 0.1 ms: 2,000 GB/s, 59.7 % of 3,350.
+    assert [r["gb_per_s"] for r in rows] == pytest.approx([200.0, 2000.0])
+    assert [r["peak_percent"] for r in rows] == pytest.approx([5.97, 59.7], rel=1e-3)
+
+
+def test_without_a_known_peak_the_attention_rows_have_no_share():
+    reps = attention_repetitions({"stock": 1.0, "ours": 0.1})
+    rows = bench.attention_rows(reps, ["stock", "ours"])
+    assert [r["peak_percent"] for r in rows] == [None, None]
+
+
+def report_of(peak, capsys):
+    reps = attention_repetitions({"stock": 1.0, "ours": 0.1})
+    bench.report(
+        dict(
+            args=dict(repeats=1, steps=1, warmup=1),
+            model=dict(model="tiny"),
+            device=dict(name="GPU (cuda)", peak_gb_per_s=peak),
+            decode_rows=[],
+            attention_rows=bench.attention_rows(reps, ["stock", "ours"], peak),
+        )
+    )
+    return capsys.readouterr().out
+
+
+def test_the_attention_table_shows_the_share_of_peak_where_the_gpu_tells_it(capsys):
+    out = report_of(3350.0, capsys)
+    assert "of the GPU memory's 3,350 GB/s" in out
+    assert "% of peak" in out and "59.7" in out
+
+
+def test_the_attention_table_has_no_share_column_where_no_peak_is_known(capsys):
+    assert "% of peak" not in report_of(None, capsys)
 
 
 def test_progress_goes_to_stderr_and_only_the_tables_to_stdout(ran):

@@ -227,17 +227,19 @@ def test_a_step_is_sized_to_the_sm_count_of_the_gpu(monkeypatch):
 
 def test_without_a_cuda_driver_the_sm_count_is_an_error_naming_it(monkeypatch):
     monkeypatch.setattr(decode_cuda, "DRIVERS", ("libcuda-absent.so.1",))
-    monkeypatch.setattr(decode_cuda, "_SMS", [])
+    monkeypatch.setattr(decode_cuda, "_GPU", [])
     with pytest.raises(RuntimeError, match="CUDA driver .libcuda. cannot be loaded"):
         decode_cuda.prepare(queries(), latent(), 0.1)
 
 
-# The driver's calls the SM count makes: GPU 0 has 108 SMs, GPU 1 (at PCI
-# address 0000:3b:00.0) 132.
+# The driver's calls ``decode_cuda.gpu`` makes: GPU 0 is an A100 (108 SMs,
+# 163 KB of shared memory a block, 1,215 MHz over 5,120 bits), GPU 1 (at PCI
+# address 0000:3b:00.0) an H100 (132, 227 KB, 2,619 MHz). ``clocks``: whether
+# the driver tells the memory clock.
 FAKE_DRIVER = r"""
 #include <string.h>
 extern "C" {
-int inits = 0, gpus = 1;
+int inits = 0, gpus = 1, clocks = 1;
 int cuInit(unsigned flags) { ++inits; return flags; }
 int cuDeviceGetCount(int* n) { *n = gpus; return 0; }
 int cuDeviceGet(int* device, int i) { *device = i; return i < gpus ? 0 : 101; }
@@ -246,8 +248,14 @@ int cuDeviceGetByPCIBusId(int* device, const char* bus) {
   return strcmp(bus, "0000:3b:00.0") ? 101 : 0;
 }
 int cuDeviceGetAttribute(int* value, int attribute, int device) {
-  *value = device == 1 ? 132 : 108;
-  return attribute == 16 ? 0 : 1;
+  const int h100 = device == 1;
+  switch (attribute) {
+    case 16: *value = h100 ? 132 : 108; return 0;
+    case 97: *value = h100 ? 232448 : 166912; return 0;
+    case 36: *value = h100 ? 2619000 : 1215000; return clocks ? 0 : 1;
+    case 37: *value = 5120; return 0;
+  }
+  return 1;
 }
 }
 """
@@ -267,12 +275,13 @@ def fake_driver(tmp_path_factory):
 
 @pytest.fixture
 def driver(fake_driver, monkeypatch):
-    """The fake driver as the one ``sm_count`` asks, afresh."""
+    """The fake driver as the one ``decode_cuda.gpu`` asks, afresh."""
     path, lib = fake_driver
     monkeypatch.setattr(decode_cuda, "DRIVERS", ("libcuda-absent.so.1", path))
-    monkeypatch.setattr(decode_cuda, "_SMS", [])
+    monkeypatch.setattr(decode_cuda, "_GPU", [])
     ctypes.c_int.in_dll(lib, "inits").value = 0
     ctypes.c_int.in_dll(lib, "gpus").value = 2
+    ctypes.c_int.in_dll(lib, "clocks").value = 1
     return lib
 
 
@@ -302,9 +311,43 @@ def test_without_a_pci_address_among_several_gpus_the_sm_count_is_an_error(
         decode_cuda.sm_count()
 
 
+def test_the_gpus_shared_memory_and_bandwidth_are_the_drivers(driver, monkeypatch):
+    monkeypatch.setattr(mx, "device_info", lambda d: {"pci_bus_id": "0000:3b:00.0"})
+    h100 = decode_cuda.gpu()
+    assert (h100.sms, h100.shared_memory) == (132, 232448)
+    assert h100.bandwidth == pytest.approx(3.352e12, rel=1e-3)  # 3.35 TB/s
+
+
+def test_a_driver_that_does_not_tell_the_memory_clock_gives_no_bandwidth(
+    driver, monkeypatch
+):
+    monkeypatch.setattr(mx, "device_info", lambda d: {})
+    ctypes.c_int.in_dll(driver, "gpus").value = 1
+    ctypes.c_int.in_dll(driver, "clocks").value = 0
+    assert decode_cuda.gpu() == decode_cuda.GPU(108, 166912, None)
+
+
+def test_a_variant_over_the_gpus_shared_memory_is_no_kernel(monkeypatch):
+    # A Turing GPU: float32 rows need 67 KB a block, bfloat16 rows 34 KB.
+    monkeypatch.setattr(decode_cuda, "gpu", lambda: decode_cuda.GPU(40, 65536, None))
+    q, x = queries(B=1), latent(B=1)
+    assert decode_cuda.prepare(q, x, 0.1)["shared_memory"] > 65536
+    assert decode_cuda.latent_attention(q, x, 0.1) is None
+    q, x = q.astype(mx.bfloat16), x.astype(mx.bfloat16)
+    assert decode_cuda.prepare(q, x, 0.1)["shared_memory"] <= 65536
+
+
+def test_a_kernel_over_the_gpus_shared_memory_fails_its_check(monkeypatch, caplog):
+    monkeypatch.setattr(decode_cuda, "gpu", lambda: decode_cuda.GPU(4, 65536, None))
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        assert not decode.kernel_agrees((20, 512, mx.float32, mx.float32, None))
+    assert "it has no variant" in caplog.text
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="asks the GPU's own driver")
 def test_the_gpus_sm_count_is_asked_of_its_driver():
     assert 1 <= decode_cuda.sm_count() <= 1024
+    assert decode_cuda.gpu().shared_memory >= 48 * 1024
 
 
 def test_splits_whose_positions_are_all_masked_weigh_nothing(kernel, monkeypatch):

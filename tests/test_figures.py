@@ -38,3 +38,25 @@ def test_a_figure_changed_by_hand_is_caught():
     doc = f"<!-- figures: mixed_batch_memory -->\n{figures.render('mixed_batch_memory')}<!-- /figures -->"
     ((name, table, text),) = figures.blocks(doc.replace("18.00", "17.00"))
     assert text != figures.render(name, table)
+
+
+def attention_run(peak, ms):
+    row = dict(context=131072, batch=1, label="4-bit", speed=3.0, floor_mb=37.7)
+    return dict(
+        versions=dict(mlx="0.32.4", mlx_lm="0.32.2", machine="x86_64"),
+        command="mlx-lm-mla bench --attention",
+        device=dict(peak_gb_per_s=peak),
+        attention_rows=[dict(row, ms=ms, gb_per_s=37.7 / ms, peak_percent=1.0)],
+    )
+
+
+def test_a_gpu_runs_attention_table_gives_its_share_of_peak_and_fine_times():
+    text = figures.decode_speed(attention_run(3350.0, 0.0225), "attention")
+    header, _, row = text.splitlines()[:3]
+    assert header.endswith("| % of peak |")
+    assert "| 0.0225 |" in row and row.endswith("| 1.0 |")
+
+
+def test_a_run_without_a_known_peak_has_no_share_column():
+    text = figures.decode_speed(attention_run(None, 12.34), "attention")
+    assert "% of peak" not in text and "| 12.3 |" in text
