@@ -350,19 +350,39 @@ def kernel_agrees(kind, batch=2):
     has one, the step's format, quantized through a cache) against float32
     attention over the same rows: the kernel must be as close as the fold,
     which rounds to the model's dtype where the kernel keeps float32."""
-    H, D, dtype, fmt, mask_dtype = kind
+    H = kind[0]
     groups = -(-H // decode_cuda.heads_per_block(H))
     # The blocks of a long step on this GPU, each taking enough tiles (the last
     # partial) that every slot of the largest ring is refilled twice.
     blocks = decode_cuda.splits(batch, groups, 1 << 30, decode_cuda.sm_count())
     L = CHECK_TILES * decode_cuda.TILE * blocks - 5
-    k = mx.random.split(mx.random.key(0), 3)
+    q, rows, mask, read, packed = random_step(kind, batch, L)
+    exact = reference_attention(q, rows, 0.1, mask, read)
+    fold = latent_attention(q, rows, 0.1, mask, read)
+    got = decode_cuda.latent_attention(q, rows, 0.1, mask, packed)
+    if got is None:
+        log.warning("MLA decode: kernel off for %s: it has no variant", kind)
+        return False
+    bound = 2 * _distance(fold, exact) + 1e-4
+    agrees = _distance(got, exact) <= bound
+    if not agrees:
+        log.warning("MLA decode: kernel off for %s: it disagreed", kind)
+    return agrees
+
+
+def random_step(kind, batch, length, seed=0):
+    """A decode step of ``kind`` on random rows: (queries, latent, mask, read,
+    packed), the latent of ``length`` positions quantized through a cache
+    where ``kind``'s format is, and a mask that keeps four positions in five
+    where the kind has one."""
+    H, D, dtype, fmt, mask_dtype = kind
+    k = mx.random.split(mx.random.key(seed), 3)
     q = mx.random.normal((batch, H, 1, D), key=k[0]).astype(dtype)
-    rows = mx.random.normal((batch, 1, L, D), key=k[1])
+    rows = mx.random.normal((batch, 1, length, D), key=k[1])
     read, packed = None, None
     if isinstance(fmt, tuple):  # quantized: (group, bits, width, dtype, ...)
         group_size, bits, _, latent_dtype, rope_width, rope_dtype = fmt
-        rope = mx.zeros((batch, 1, L, rope_width), getattr(mx, rope_dtype))
+        rope = mx.zeros((batch, 1, length, rope_width), getattr(mx, rope_dtype))
         small = KVCache()
         small.update_and_fetch(rows.astype(getattr(mx, latent_dtype)), rope)
         small = quantize_latent(small, group_size, bits)
@@ -375,17 +395,7 @@ def kernel_agrees(kind, batch=2):
         keep = mx.random.uniform(shape=(batch, H, 1, rows.shape[2]), key=k[2]) > 0.2
         mask = keep if mask_dtype == mx.bool_ else mx.where(keep, 0.0, -1e4)
         mask = mask.astype(mask_dtype)
-    exact = reference_attention(q, rows, 0.1, mask, read)
-    fold = latent_attention(q, rows, 0.1, mask, read)
-    got = decode_cuda.latent_attention(q, rows, 0.1, mask, packed)
-    if got is None:
-        log.warning("MLA decode: kernel off for %s: it has no variant", kind)
-        return False
-    bound = 2 * _distance(fold, exact) + 1e-4
-    agrees = _distance(got, exact) <= bound
-    if not agrees:
-        log.warning("MLA decode: kernel off for %s: it disagreed", kind)
-    return agrees
+    return q, rows, mask, read, packed
 
 
 def folded_attention(original):

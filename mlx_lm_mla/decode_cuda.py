@@ -539,11 +539,15 @@ def splits(batch, groups, tiles, sms):
     return math.ceil(tiles / per)
 
 
-def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
+def prepare(
+    queries, latent, scale, mask=None, packed=None, sms=None, tile=TILE, stages=None
+):
     """The kernel's inputs, template, grid, block and shared memory for
     ``decode.latent_attention``'s arguments (``packed``: the cache's keys,
     values and format, as ``latent_bytes`` gives them), or None where the kernel
-    has no variant for them. ``sms``: the GPU's SM count (``sm_count()``)."""
+    has no variant for them. ``sms``: the GPU's SM count (``sm_count()``);
+    ``tile`` and ``stages``: positions a tile and tiles in the ring (default:
+    as many as ``STAGED`` holds within ``RING``), for a sweep to measure."""
     B, H, _, D = queries.shape
     L = latent.shape[2]
     NT = threads(D)
@@ -575,13 +579,13 @@ def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
     row = staged_row(D, bits, group_size, dtype.size, scale_at)
-    stages = max(RING[0], min(RING[1], STAGED // (TILE * row)))
+    stages = stages or max(RING[0], min(RING[1], STAGED // (tile * row)))
     # Whole tiles a block, as the kernel shares them out: no block left idle.
-    parts = splits(B, groups, math.ceil(L / TILE), sms or sm_count())
+    parts = splits(B, groups, math.ceil(L / tile), sms or sm_count())
     template = [
         ("D", D),
         ("HB", HB),
-        ("TILE", TILE),
+        ("TILE", tile),
         ("STAGES", stages),
         ("NT", NT),
         ("BITS", bits),
@@ -599,8 +603,8 @@ def prepare(queries, latent, scale, mask=None, packed=None, sms=None):
         grid=(parts * NT, groups, B),
         threadgroup=(NT, 1, 1),
         # The ring of raw rows, then (packed rows) their floats, scores, stats.
-        shared_memory=stages * TILE * row
-        + 4 * ((TILE * (D + 1) if bits else 0) + HB * TILE + 3 * HB),
+        shared_memory=stages * tile * row
+        + 4 * ((tile * (D + 1) if bits else 0) + HB * tile + 3 * HB),
         output_shapes=[(B, H, parts, D), (B, H, parts, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
@@ -646,11 +650,11 @@ def combine(o, ml, dtype):
     return _kernels["combine"](**prepare_combine(o, ml, dtype))[0]
 
 
-def latent_attention(queries, latent, scale, mask=None, packed=None):
+def latent_attention(queries, latent, scale, mask=None, packed=None, **sizes):
     """The kernel's ``decode.latent_attention``, or None where it has no variant
     for these arguments on this GPU (float32 rows take 67 KB of shared memory
-    a block, more than sm_75's 64 KB)."""
-    launch = prepare(queries, latent, scale, mask, packed)
+    a block, more than sm_75's 64 KB). ``sizes``: ``prepare``'s tile, stages."""
+    launch = prepare(queries, latent, scale, mask, packed, **sizes)
     if launch is None or launch["shared_memory"] > gpu().shared_memory:
         return None
     run = kernel(launch.pop("shared_memory"))

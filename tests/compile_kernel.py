@@ -25,15 +25,16 @@ ARCHS = ("sm_80", "sm_90")
 
 def variants():
     """(name, launch) for each kind of step: exact latents of each dtype,
-    quantized ones of each width, masks of each kind, few heads and many."""
+    quantized ones of each width, masks of each kind, few heads and many; and
+    tile and ring sizes other than the default, as kernel_tiles.py runs."""
     from mlx_lm.models.cache import KVCache
 
-    def exact(dtype, heads=20, mask=None):
+    def exact(dtype, heads=20, mask=None, **sizes):
         q = mx.zeros((1, heads, 1, 512), dtype)
         x = mx.zeros((1, 1, 40, 512), dtype)
-        return decode_cuda.prepare(q, x, 0.1, mask, sms=132)
+        return decode_cuda.prepare(q, x, 0.1, mask, sms=132, **sizes)
 
-    def packed(bits, dtype=mx.bfloat16):
+    def packed(bits, dtype=mx.bfloat16, **sizes):
         cache = KVCache()
         cache.update_and_fetch(
             mx.zeros((1, 1, 40, 512), dtype), mx.zeros((1, 1, 40, 64), dtype)
@@ -44,7 +45,8 @@ def variants():
         )
         q = mx.zeros((1, 128, 1, 512), dtype)
         mask = mx.zeros((1, 128, 1, 41), dtype)
-        return decode_cuda.prepare(q, x, 0.1, mask, cache.latent_bytes(x), sms=132)
+        packed = cache.latent_bytes(x)
+        return decode_cuda.prepare(q, x, 0.1, mask, packed, sms=132, **sizes)
 
     for dtype in (mx.float32, mx.float16, mx.bfloat16):
         yield f"exact {dtype}", exact(dtype)
@@ -53,6 +55,8 @@ def variants():
     for bits in (8, 4, 2):
         yield f"{bits}-bit, 128 heads", packed(bits)
     yield "4-bit, float16 scales", packed(4, mx.float16)
+    yield "4-bit, tile 8, ring 2", packed(4, tile=8, stages=2)
+    yield "exact bfloat16, tile 32, ring 3", exact(mx.bfloat16, tile=32, stages=3)
     o, ml = mx.zeros((1, 20, 3, 512)), mx.zeros((1, 20, 3, 2))
     for dtype in (mx.float32, mx.float16, mx.bfloat16):
         yield f"combine to {dtype}", decode_cuda.prepare_combine(o, ml, dtype)

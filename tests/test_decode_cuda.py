@@ -4,6 +4,7 @@ a decode step through it gives stock's logits, and a kernel that fails or
 disagrees is not used. On MLX's CUDA backend the kernel runs as built; on
 other machines its source runs on the CPU (tests/cuda_emulator.py)."""
 
+import argparse
 import ctypes
 import logging
 import math
@@ -24,6 +25,7 @@ from mlx_lm_mla.cache import quantize_latent
 from conftest import step_logits
 
 ON_CUDA = decode_cuda.available()
+ROOT = Path(__file__).resolve().parents[1]
 TOKENS = [(5 * i + 7) % 190 + 5 for i in range(140)]
 
 
@@ -62,8 +64,8 @@ def kernel(emulator, combine, monkeypatch):
     if ON_CUDA:
         return decode_cuda.latent_attention
 
-    def run(queries, latent, scale, mask=None, packed=None):
-        launch = decode_cuda.prepare(queries, latent, scale, mask, packed)
+    def run(queries, latent, scale, mask=None, packed=None, **sizes):
+        launch = decode_cuda.prepare(queries, latent, scale, mask, packed, **sizes)
         if launch is None:
             return None
         o, ml = emulator(**launch)
@@ -155,6 +157,86 @@ def test_unaligned_quantized_rows_are_read_a_byte_at_a_time(
     expected = decode.reference_attention(q, x, 0.05, None, cache.latent_reader(x))
     assert close(kernel(q, x, 0.05, None, (wider, values, fmt)), expected, x.dtype)
     assert ON_CUDA or emulator.vector_loads == emulator.async_copies == 0
+
+
+@pytest.mark.parametrize("tile, stages", [(8, 2), (8, 4), (32, 2), (32, 3)])
+@pytest.mark.parametrize("bits", [0, 4])
+def test_each_tile_and_ring_size_a_sweep_may_measure_attends_as_the_reference(
+    kernel, tile, stages, bits
+):
+    # 400 positions over two blocks a sequence: every ring wraps.
+    cache, x = packed_cache(bits or 8, L=400)
+    packed = cache.latent_bytes(x) if bits else None
+    read = cache.latent_reader(x) if bits else None
+    q = queries(dtype=mx.bfloat16)
+    mask = 3 * mx.random.normal((2, 20, 1, 400), key=mx.random.key(4))
+    expected = decode.reference_attention(q, x, 0.05, mask, read)
+    got = kernel(q, x, 0.05, mask, packed, tile=tile, stages=stages)
+    assert close(got, expected, mx.bfloat16)
+    launch = decode_cuda.prepare(q, x, 0.05, mask, packed, tile=tile, stages=stages)
+    assert ("TILE", tile) in launch["template"]
+    assert ("STAGES", stages) in launch["template"]
+
+
+@pytest.fixture
+def kernel_tiles(monkeypatch):
+    """``benchmarks/kernel_tiles.py``, its kernel a float32 fold that is off
+    by one where the tile is ``kernel_tiles.wrong_tile``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kernel_tiles
+
+    def fake(q, x, scale, mask=None, packed=None, tile=decode_cuda.TILE, stages=None):
+        out = decode.latent_attention(q.astype(mx.float32), x, scale, mask)
+        return (out + (tile == kernel_tiles.wrong_tile)).astype(q.dtype)
+
+    monkeypatch.setattr(decode_cuda, "latent_attention", fake)
+    monkeypatch.setattr(kernel_tiles, "wrong_tile", None, raising=False)
+    return kernel_tiles
+
+
+SWEEP = argparse.Namespace(tiles=[8, 32], stages=[2], repeats=2, calls=1)
+
+
+def test_the_tile_sweep_times_each_size_the_gpus_shared_memory_holds(kernel_tiles):
+    # 64 KB a block: 4-bit rows at 32 a tile take 68 KB; 16 (4 in the ring,
+    # the default) 53 KB, 8 (2) 22 KB.
+    gpu = decode_cuda.GPU(4, 64 * 1024, 1e11)
+    rows = kernel_tiles.measure("4-bit", 300, 1, SWEEP, gpu)
+    sizes = [(r["path"], r["tile"], r["ring"], r["default"]) for r in rows]
+    assert sizes == [
+        ("portable", None, None, False),
+        ("kernel", 16, 4, True),
+        ("kernel", 8, 2, False),
+    ]
+    for r in rows:
+        assert len(r["samples"]) == 2
+        # 301 rows of 256 packed bytes and 32 of scales and biases a step.
+        moved = r["gb_per_s"] * 1e9 * r["us"] / 1e6
+        assert moved == pytest.approx(301 * 288)
+        assert r["peak_percent"] == pytest.approx(100 * r["gb_per_s"] * 1e9 / 1e11)
+    assert rows[1]["x_default"] == 1.0 and rows[1]["shared_kb"] * 1024 <= 64 * 1024
+
+
+def test_the_tile_sweep_leaves_out_a_size_that_disagrees(kernel_tiles, capsys):
+    kernel_tiles.wrong_tile = 8
+    gpu = decode_cuda.GPU(4, 227 * 1024, None)
+    rows = kernel_tiles.measure("bf16", 300, 1, SWEEP, gpu)
+    assert [(r["tile"], r["ring"]) for r in rows] == [(None, None), (16, 2), (32, 2)]
+    assert "tile 8, ring 2 disagrees: left out" in capsys.readouterr().out
+    assert all(r["peak_percent"] is None for r in rows)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="refuses where there is no CUDA backend")
+def test_the_tile_sweep_refuses_to_run_without_mlxs_cuda_backend():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/kernel_tiles.py"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert "it needs MLX's CUDA backend" in out.stderr
 
 
 def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
@@ -759,8 +841,8 @@ def test_a_kernel_wrong_once_its_ring_wraps_fails_its_check(
         folder=tmp_path,
     )
 
-    def run(queries, latent, scale, mask=None, packed=None):
-        launch = decode_cuda.prepare(queries, latent, scale, mask, packed)
+    def run(queries, latent, scale, mask=None, packed=None, **sizes):
+        launch = decode_cuda.prepare(queries, latent, scale, mask, packed, **sizes)
         assert dict(launch["template"])["STAGES"] == decode_cuda.RING[1]
         o, ml = emulated(**launch)
         return combine(o, ml, queries.dtype)

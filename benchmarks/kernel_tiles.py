@@ -1,0 +1,199 @@
+"""The CUDA decode kernel's tile and ring sizes, side by side on the GPU that
+runs it (MLX's CUDA backend only).
+
+For each latent format (bf16, 8-bit, 4-bit, group 64) and batch, at
+GLM-4.7-Flash's attention widths (20 heads, latent 512, RoPE key 64): every
+(positions a tile, tiles in the ring) whose shared memory the GPU allows,
+each first checked against the default sizes' output on the same rows, then
+timed in interleaved repetitions, with the portable path (``decode.py``'s
+fold over the same rows) beside them. Per row: microseconds a step (kernel
+and combine, ``--calls`` steps evaluated together), the bytes the kernel
+copies a step over that time, its share of the memory's peak (from the CUDA
+driver), and its speed against the default sizes. ``decode_cuda.TILE``,
+``STAGED`` and ``RING`` are what such a run should choose.
+
+    python benchmarks/kernel_tiles.py                  # 32K and 128K, batch 1 and 8
+    python benchmarks/kernel_tiles.py --contexts 2048 --batches 1 --repeats 2
+"""
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+
+if __name__ == "__main__":  # this tree's package, not an installed copy
+    import _common  # noqa: F401
+
+import mlx.core as mx  # noqa: E402
+
+from mlx_lm_mla import decode, decode_cuda  # noqa: E402
+from mlx_lm_mla.bench import table  # noqa: E402
+
+HEADS, WIDTH, ROPE = 20, 512, 64  # GLM-4.7-Flash's attention
+FORMATS = {
+    "bf16": mx.bfloat16,
+    "8-bit": (64, 8, WIDTH, "bfloat16", ROPE, "bfloat16"),
+    "4-bit": (64, 4, WIDTH, "bfloat16", ROPE, "bfloat16"),
+}
+
+
+def candidates(q, rows, mask, packed, tiles, stages, gpu):
+    """The default sizes (``prepare``'s), and {(tile, stages): shared bytes}
+    of each size the GPU's shared memory holds, the default first."""
+    first = decode_cuda.prepare(q, rows, 0.1, mask, packed, sms=gpu.sms)
+    default = (decode_cuda.TILE, dict(first["template"])["STAGES"])
+    found = {}
+    for tile, ring in [default, *itertools.product(tiles, stages)]:
+        launch = decode_cuda.prepare(
+            q, rows, 0.1, mask, packed, sms=gpu.sms, tile=tile, stages=ring
+        )
+        if launch["shared_memory"] <= gpu.shared_memory:
+            found.setdefault((tile, ring), launch["shared_memory"])
+    return default, found
+
+
+def disagreement(out, base):
+    """The largest difference from ``base``, as a share of its largest value."""
+    worst = mx.abs(out.astype(mx.float32) - base.astype(mx.float32)).max()
+    return worst.item() / mx.abs(base.astype(mx.float32)).max().item()
+
+
+def staged_bytes(rows, packed, batch):
+    """Bytes the kernel copies a step: every row of every sequence as staged."""
+    width = rows.shape[-1]
+    if packed is None:
+        return (
+            batch
+            * rows.shape[2]
+            * decode_cuda.staged_row(width, 0, 1, rows.dtype.size, 0)
+        )
+    group, bits, _, dtype, rope_width, rope_dtype = packed[2]
+    size = getattr(mx, dtype).size
+    row = decode_cuda.staged_row(
+        width, bits, group, size, rope_width * getattr(mx, rope_dtype).size
+    )
+    return batch * rows.shape[2] * row
+
+
+def seconds(run, calls):
+    """Seconds a step, ``calls`` steps evaluated together."""
+    start = time.perf_counter()
+    mx.eval([run() for _ in range(calls)])
+    mx.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def measure(name, context, batch, args, gpu):
+    kind = (HEADS, WIDTH, mx.bfloat16, FORMATS[name], None)
+    q, rows, mask, read, packed = decode.random_step(kind, batch, context)
+    mx.eval(q, rows, *(packed[:2] if packed else ()))
+    default, sizes = candidates(q, rows, mask, packed, args.tiles, args.stages, gpu)
+    runs = {"portable": lambda: decode.latent_attention(q, rows, 0.1, mask, read)}
+    fold = runs["portable"]()
+    for (tile, ring), memory in sizes.items():
+        run = lambda t=tile, r=ring: decode_cuda.latent_attention(  # noqa: E731
+            q, rows, 0.1, mask, packed, tile=t, stages=r
+        )
+        # The default against the fold (which rounds to bf16 where the kernel
+        # keeps float32); every other size against the default (float32 sums
+        # in another order). A kernel reading a wrong row is off by its size.
+        out = run()
+        base, bound = fold, 5e-2
+        if (tile, ring) != default and default in runs:
+            base, bound = runs[default](), 1e-3
+        if disagreement(out, base) > bound:
+            print(f"{name}: tile {tile}, ring {ring} disagrees: left out")
+            continue
+        runs[(tile, ring)] = run
+    for run in runs.values():  # built and warm
+        seconds(run, 1)
+    samples = {key: [] for key in runs}
+    keys = list(runs)
+    for rep in range(args.repeats):
+        k = rep % len(keys)
+        for key in keys[k:] + keys[:k]:
+            samples[key].append(seconds(runs[key], args.calls))
+    moved = staged_bytes(rows, packed, batch)
+    base = statistics.median(samples[default]) if default in samples else None
+    found = []
+    for key, times in samples.items():
+        step = statistics.median(times)
+        tile, ring = (None, None) if key == "portable" else key
+        found.append(
+            dict(
+                context=context,
+                batch=batch,
+                format=name,
+                path="portable" if key == "portable" else "kernel",
+                tile=tile,
+                ring=ring,
+                default=key == default,
+                shared_kb=sizes[key] / 1024 if key in sizes else None,
+                us=step * 1e6,
+                gb_per_s=moved / step / 1e9,
+                peak_percent=gpu.bandwidth and 100 * moved / step / gpu.bandwidth,
+                x_default=base and base / step,
+                samples=times,
+            )
+        )
+    return found
+
+
+COLUMNS = [
+    ("context", "context", "{:,}"),
+    ("batch", "batch", None),
+    ("format", "format", None),
+    ("path", "path", None),
+    ("tile", "tile", None),
+    ("ring", "ring", None),
+    ("default", "default", None),
+    ("shared_kb", "shared KB", "{:.1f}"),
+    ("us", "us a step", "{:.1f}"),
+    ("gb_per_s", "GB/s", "{:.0f}"),
+    ("peak_percent", "% of peak", "{:.1f}"),
+    ("x_default", "x default", "{:.2f}"),
+]
+
+
+def main():
+    started = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--tiles", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calls", type=int, default=20, help="steps a sample")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/")
+    args = p.parse_args()
+    import _common
+
+    if not decode_cuda.available():
+        sys.exit(
+            "kernel_tiles.py measures the CUDA decode kernel: it needs MLX's CUDA "
+            f"backend as the default device (here {mx.default_device()}, "
+            f"mlx {mx.__version__})"
+        )
+    if min(args.tiles + args.stages) < 1:
+        p.error("--tiles and --stages take positive counts")
+    gpu = decode_cuda.gpu()
+    peak = f"{gpu.bandwidth / 1e9:,.0f} GB/s" if gpu.bandwidth else "not told"
+    print(
+        f"{mx.device_info(mx.default_device()).get('device_name', 'GPU')}: "
+        f"{gpu.sms} SMs, {gpu.shared_memory // 1024} KB shared a block, peak {peak}"
+    )
+    rows = []
+    jobs = list(itertools.product(args.contexts, args.batches, args.formats))
+    for context, batch, name in _common.progress(jobs, desc="kernel_tiles"):
+        rows += measure(name, context, batch, args, gpu)
+    table(rows, COLUMNS)
+    path = _common.write_json(
+        args.json, "kernel_tiles", args, dict(gpu=gpu._asdict(), rows=rows), started
+    )
+    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
