@@ -490,6 +490,8 @@ def _driver_gpu():
         )
 
     def call(name, *args):
+        if not hasattr(driver, name):
+            raise RuntimeError(f"the CUDA driver has no {name}")
         status = getattr(driver, name)(*args)
         if status:
             raise RuntimeError(f"the CUDA driver's {name} returned error {status}")
@@ -515,6 +517,7 @@ def _driver_gpu():
         if required:
             call("cuDeviceGetAttribute", ctypes.byref(value), number, device)
             return value.value
+        value.value = 0
         found = driver.cuDeviceGetAttribute(ctypes.byref(value), number, device)
         return value.value if found == 0 else 0
 
