@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The device checks of the decode work in one run, on a GPU machine where the
-# package is installed (see ../shared/gpu/README.md for bringing MLX's CUDA
-# build there): the core tests, then decode speed and peak memory against
-# stock, then the kernel's tile and ring sizes. Writes every output under $OUT
-# (default: benchmarks/results/gpu). SWEEP=0 leaves the sizes out.
-#   bash benchmarks/gpu_checks.sh            # not yet timed on a GPU
-#   QUICK=1 bash benchmarks/gpu_checks.sh    # small sizes: checks the script itself
+# The device checks of the decode work, on a GPU machine where the package is
+# installed (see ../shared/gpu/README.md for bringing MLX's CUDA build there),
+# in parts: the core tests (tests), decode speed against stock (speed), peak
+# memory (memory), the kernel's tile and ring sizes (sweep). Writes every
+# output under $OUT (default: benchmarks/results/gpu) and each part's seconds.
+#   bash benchmarks/gpu_checks.sh                   # every part; not yet timed on a GPU
+#   PARTS="speed sweep" bash benchmarks/gpu_checks.sh
+#   PART_LIMIT=240 bash benchmarks/gpu_checks.sh    # stop a part after 240 s
+#   QUICK=1 bash benchmarks/gpu_checks.sh           # small sizes: checks the script itself
 set -u
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+parts=${PARTS:-tests speed memory sweep}
 if [ -n "${QUICK:-}" ]; then
     contexts="1024 2048"; batches="1 2"; context=2048; steps=8; start=512
     sweep="--contexts 2048 --batches 1 --repeats 2 --calls 2"
@@ -17,18 +20,26 @@ else
     contexts="1024 4096 16384 32768 131072"; batches="1 8"; context=32768; steps=256; start=4096
     sweep="--contexts 131072 --batches 1 8 --repeats 3"
 fi
+
+# One part: its command under PART_LIMIT seconds (0: none), stdout and stderr
+# into $out/NAME.txt and .err, then its last lines and how long it took.
+part() {
+    local name=$1 lines=$2; shift 2
+    case " $parts " in *" $name "*) ;; *) return 0 ;; esac
+    local began=$SECONDS
+    timeout "${PART_LIMIT:-0}" "$@" > "$out/$name.txt" 2> "$out/$name.err"
+    local rc=$?
+    tail -n "$lines" "$out/$name.txt"
+    echo "part $name: exit $rc in $((SECONDS - began)) s" | tee -a "$out/parts.txt"
+}
+
 $py -c "import mlx.core as mx, mlx_lm; print(mx.default_device(), mx.__version__, mlx_lm.__version__)" | tee "$out/device.txt"
-$py -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_decode_cuda.py tests/test_fidelity.py tests/test_latent.py \
-    tests/test_models.py tests/test_batching.py > "$out/tests.txt" 2>&1
-echo "tests: $(tail -n 1 "$out/tests.txt")"
+part tests 3 $py -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_decode_cuda.py \
+    tests/test_fidelity.py tests/test_latent.py tests/test_models.py tests/test_batching.py
 # On CUDA: the kernel (ours*) and the portable path (portable*) side by side.
-$py benchmarks/decode_speed.py --contexts $contexts --batches $batches --reps 3 \
-    --json "$out/decode_speed.json" > "$out/decode_speed.txt" 2> "$out/decode_speed.err"
-tail -n 40 "$out/decode_speed.txt"
-$py benchmarks/peak_memory.py --context $context --steps $steps --start $start --variants stock ours ours8 ours4 \
-    --json "$out/peak_memory.json" > "$out/peak_memory.txt" 2> "$out/peak_memory.err"
-tail -n 8 "$out/peak_memory.txt"
+part speed 40 $py benchmarks/decode_speed.py --contexts $contexts --batches $batches --reps 3 \
+    --json "$out/decode_speed.json"
+part memory 8 $py benchmarks/peak_memory.py --context $context --steps $steps --start $start \
+    --variants stock ours ours8 ours4 --json "$out/peak_memory.json"
 # The kernel's tile and ring sizes side by side, with their share of the peak.
-[ "${SWEEP:-1}" = 0 ] && exit 0
-$py benchmarks/kernel_tiles.py $sweep --json "$out/kernel_tiles.json" > "$out/kernel_tiles.txt" 2> "$out/kernel_tiles.err"
-tail -n 60 "$out/kernel_tiles.txt"
+part sweep 60 $py benchmarks/kernel_tiles.py $sweep --json "$out/kernel_tiles.json"
