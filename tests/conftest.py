@@ -1,11 +1,19 @@
-import mlx.core as mx
-import pytest
-from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+import os
 
-import mlx_lm_mla
-from mlx_lm_mla.activate import disabled
-from mlx_lm_mla.mla import leaves  # layer caches, CacheList members too
+# Full float32 matmuls on GPUs that run them as TF32 by default (CUDA, Apple
+# M5): the tests hold the package's arithmetic to stock's and the cache's
+# rounding to upstream's bounds, not TF32's error, as MLX's own tests do. Set
+# before MLX's first operation; a value already given wins.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
+from mlx_lm.generate import maybe_quantize_kv_cache  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # noqa: E402
+
+import mlx_lm_mla  # noqa: E402
+from mlx_lm_mla.activate import disabled  # noqa: E402
+from mlx_lm_mla.mla import leaves  # noqa: E402  (layer caches, CacheList members too)
 
 LATENT = 64
 ROPE = 16
