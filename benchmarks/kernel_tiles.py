@@ -2,15 +2,18 @@
 runs it (MLX's CUDA backend only).
 
 For each latent format (bf16, 8-bit, 4-bit, group 64) and batch, at
-GLM-4.7-Flash's attention widths (20 heads, latent 512, RoPE key 64): every
+GLM-4.7-Flash's attention widths (20 heads, latent 512, RoPE key 64; bf16
+queries, the RoPE-key scores as a bf16 mask, as the models call it): every
 (positions a tile, tiles in the ring) whose shared memory the GPU allows,
-each first checked against the default sizes' output on the same rows, then
-timed in interleaved repetitions, with the portable path (``decode.py``'s
-fold over the same rows) beside them. Per row: microseconds a step (kernel
-and combine, ``--calls`` steps evaluated together), the bytes the kernel
-copies a step over that time, its share of the memory's peak (from the CUDA
-driver), and its speed against the default sizes. ``decode_cuda.TILE``,
-``STAGED`` and ``RING`` are what such a run should choose.
+each first passing the check the decode path makes before the kernel
+serves a kind (``decode.kernel_agrees`` at those sizes), then timed in
+interleaved repetitions, with the portable path (``decode.py``'s fold over
+the same rows) beside them. Per row: microseconds a step (kernel and
+combine, ``--calls`` steps evaluated together), the bytes the kernel reads
+a step (latent rows, their scales and biases, the scores) over that time,
+its share of the memory's peak (from the CUDA driver), and its speed
+against the default sizes. ``decode_cuda.TILE``, ``STAGED`` and ``RING``
+are what such a run should choose.
 
     python benchmarks/kernel_tiles.py                  # 32K and 128K, batch 1 and 8
     python benchmarks/kernel_tiles.py --contexts 2048 --batches 1 --repeats 2
@@ -27,8 +30,7 @@ if __name__ == "__main__":  # this tree's package, not an installed copy
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_lm_mla import decode, decode_cuda  # noqa: E402
-from mlx_lm_mla.bench import table  # noqa: E402
+from mlx_lm_mla import bench, decode, decode_cuda  # noqa: E402
 
 HEADS, WIDTH, ROPE = 20, 512, 64  # GLM-4.7-Flash's attention
 FORMATS = {
@@ -53,27 +55,27 @@ def candidates(q, rows, mask, packed, tiles, stages, gpu):
     return default, found
 
 
-def disagreement(out, base):
-    """The largest difference from ``base``, as a share of its largest value."""
-    worst = mx.abs(out.astype(mx.float32) - base.astype(mx.float32)).max()
-    return worst.item() / mx.abs(base.astype(mx.float32)).max().item()
+_AGREES = {}  # (kind, tile, ring) -> whether the kernel passed its check
 
 
-def staged_bytes(rows, packed, batch):
-    """Bytes the kernel copies a step: every row of every sequence as staged."""
-    width = rows.shape[-1]
-    if packed is None:
-        return (
-            batch
-            * rows.shape[2]
-            * decode_cuda.staged_row(width, 0, 1, rows.dtype.size, 0)
-        )
-    group, bits, _, dtype, rope_width, rope_dtype = packed[2]
-    size = getattr(mx, dtype).size
-    row = decode_cuda.staged_row(
-        width, bits, group, size, rope_width * getattr(mx, rope_dtype).size
-    )
-    return batch * rows.shape[2] * row
+def agrees(kind, tile, ring):
+    """The check the decode path makes before the kernel serves a kind
+    (``decode.kernel_agrees``), at these sizes; once a process."""
+    key = (kind, tile, ring)
+    if key not in _AGREES:
+        try:
+            _AGREES[key] = decode.kernel_agrees(kind, tile=tile, stages=ring)
+        except Exception as e:  # fails to build or run
+            print(f"tile {tile}, ring {ring}: {type(e).__name__}: {e}")
+            _AGREES[key] = False
+    return _AGREES[key]
+
+
+def read_per_step(rows, packed, mask):
+    """Bytes the kernel reads a step: each position's staged row and its
+    RoPE-key scores (the mask), for every sequence."""
+    B, H, _, L = mask.shape
+    return B * L * (decode_cuda.row_bytes(rows, packed) + H * mask.dtype.size)
 
 
 def seconds(run, calls):
@@ -85,36 +87,28 @@ def seconds(run, calls):
 
 
 def measure(name, context, batch, args, gpu):
-    kind = (HEADS, WIDTH, mx.bfloat16, FORMATS[name], None)
+    # As the models call it: bf16 queries, the RoPE-key scores as a bf16 mask.
+    kind = (HEADS, WIDTH, mx.bfloat16, FORMATS[name], mx.bfloat16)
     q, rows, mask, read, packed = decode.random_step(kind, batch, context)
-    mx.eval(q, rows, *(packed[:2] if packed else ()))
+    mx.eval(q, rows, mask, *(packed[:2] if packed else ()))
     default, sizes = candidates(q, rows, mask, packed, args.tiles, args.stages, gpu)
     runs = {"portable": lambda: decode.latent_attention(q, rows, 0.1, mask, read)}
-    fold = runs["portable"]()
-    for (tile, ring), memory in sizes.items():
-        run = lambda t=tile, r=ring: decode_cuda.latent_attention(  # noqa: E731
+    for tile, ring in sizes:
+        if not agrees(kind, tile, ring):
+            print(
+                f"{name}: tile {tile}, ring {ring} fails the kernel's check: left out"
+            )
+            continue
+        runs[(tile, ring)] = lambda t=tile, r=ring: decode_cuda.latent_attention(
             q, rows, 0.1, mask, packed, tile=t, stages=r
         )
-        # The default against the fold (which rounds to bf16 where the kernel
-        # keeps float32); every other size against the default (float32 sums
-        # in another order). A kernel reading a wrong row is off by its size.
-        out = run()
-        base, bound = fold, 5e-2
-        if (tile, ring) != default and default in runs:
-            base, bound = runs[default](), 1e-3
-        if disagreement(out, base) > bound:
-            print(f"{name}: tile {tile}, ring {ring} disagrees: left out")
-            continue
-        runs[(tile, ring)] = run
     for run in runs.values():  # built and warm
         seconds(run, 1)
     samples = {key: [] for key in runs}
-    keys = list(runs)
     for rep in range(args.repeats):
-        k = rep % len(keys)
-        for key in keys[k:] + keys[:k]:
+        for key in bench.rotated(list(runs), rep):
             samples[key].append(seconds(runs[key], args.calls))
-    moved = staged_bytes(rows, packed, batch)
+    moved = read_per_step(rows, packed, mask)
     base = statistics.median(samples[default]) if default in samples else None
     found = []
     for key, times in samples.items():
@@ -168,8 +162,6 @@ def main():
     p.add_argument("--calls", type=int, default=20, help="steps a sample")
     p.add_argument("--json", default=None, help="default: benchmarks/results/")
     args = p.parse_args()
-    import _common
-
     if not decode_cuda.available():
         sys.exit(
             "kernel_tiles.py measures the CUDA decode kernel: it needs MLX's CUDA "
@@ -177,7 +169,9 @@ def main():
             f"mlx {mx.__version__})"
         )
     if min(args.tiles + args.stages) < 1:
-        p.error("--tiles and --stages take positive counts")
+        p.error(
+            "--tiles and --stages take positive counts (a ring of 1: no copy ahead)"
+        )
     gpu = decode_cuda.gpu()
     peak = f"{gpu.bandwidth / 1e9:,.0f} GB/s" if gpu.bandwidth else "not told"
     print(
@@ -188,9 +182,11 @@ def main():
     jobs = list(itertools.product(args.contexts, args.batches, args.formats))
     for context, batch, name in _common.progress(jobs, desc="kernel_tiles"):
         rows += measure(name, context, batch, args, gpu)
-    table(rows, COLUMNS)
+    bench.table(rows, COLUMNS)
+    about = dict(gpu._asdict(), peak_gb_per_s=gpu.bandwidth and gpu.bandwidth / 1e9)
+    del about["bandwidth"]
     path = _common.write_json(
-        args.json, "kernel_tiles", args, dict(gpu=gpu._asdict(), rows=rows), started
+        args.json, "kernel_tiles", args, dict(gpu=about, rows=rows), started
     )
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
 

@@ -344,22 +344,23 @@ def kernel_checked(kind):
 CHECK_TILES = 2 * decode_cuda.RING[1] + 1  # a block's tiles in kernel_agrees
 
 
-def kernel_agrees(kind, batch=2):
+def kernel_agrees(kind, batch=2, **sizes):
     """The kernel and the fold on random rows of ``kind`` (``batch`` sequences,
     enough positions that each block takes several tiles, a mask if the step
     has one, the step's format, quantized through a cache) against float32
     attention over the same rows: the kernel must be as close as the fold,
-    which rounds to the model's dtype where the kernel keeps float32."""
+    which rounds to the model's dtype where the kernel keeps float32.
+    ``sizes``: the kernel's tile and ring, where not the default."""
     H = kind[0]
     groups = -(-H // decode_cuda.heads_per_block(H))
     # The blocks of a long step on this GPU, each taking enough tiles (the last
     # partial) that every slot of the largest ring is refilled twice.
     blocks = decode_cuda.splits(batch, groups, 1 << 30, decode_cuda.sm_count())
-    L = CHECK_TILES * decode_cuda.TILE * blocks - 5
+    L = CHECK_TILES * sizes.get("tile", decode_cuda.TILE) * blocks - 5
     q, rows, mask, read, packed = random_step(kind, batch, L)
     exact = reference_attention(q, rows, 0.1, mask, read)
     fold = latent_attention(q, rows, 0.1, mask, read)
-    got = decode_cuda.latent_attention(q, rows, 0.1, mask, packed)
+    got = decode_cuda.latent_attention(q, rows, 0.1, mask, packed, **sizes)
     if got is None:
         log.warning("MLA decode: kernel off for %s: it has no variant", kind)
         return False
@@ -372,9 +373,9 @@ def kernel_agrees(kind, batch=2):
 
 def random_step(kind, batch, length, seed=0):
     """A decode step of ``kind`` on random rows: (queries, latent, mask, read,
-    packed), the latent of ``length`` positions quantized through a cache
-    where ``kind``'s format is, and a mask that keeps four positions in five
-    where the kind has one."""
+    packed), the latent of ``length`` positions (at least 2) quantized through
+    a cache where ``kind``'s format is, its last row the step's own, and a
+    mask that keeps four positions in five where the kind has one."""
     H, D, dtype, fmt, mask_dtype = kind
     k = mx.random.split(mx.random.key(seed), 3)
     q = mx.random.normal((batch, H, 1, D), key=k[0]).astype(dtype)
@@ -383,10 +384,11 @@ def random_step(kind, batch, length, seed=0):
     if isinstance(fmt, tuple):  # quantized: (group, bits, width, dtype, ...)
         group_size, bits, _, latent_dtype, rope_width, rope_dtype = fmt
         rope = mx.zeros((batch, 1, length, rope_width), getattr(mx, rope_dtype))
+        rows = rows.astype(getattr(mx, latent_dtype))
         small = KVCache()
-        small.update_and_fetch(rows.astype(getattr(mx, latent_dtype)), rope)
+        small.update_and_fetch(rows[:, :, :-1], rope[:, :, :-1])
         small = quantize_latent(small, group_size, bits)
-        rows, _ = small.update_and_fetch(rows[:, :, :1], rope[:, :, :1])
+        rows, _ = small.update_and_fetch(rows[:, :, -1:], rope[:, :, -1:])
         read, packed = small.latent_reader(rows), small.latent_bytes(rows)
     else:
         rows = rows.astype(fmt)

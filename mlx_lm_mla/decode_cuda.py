@@ -473,6 +473,7 @@ def gpu():
 
 
 def sm_count():
+    """The SMs of the GPU that MLX runs on (``gpu``)."""
     return gpu().sms
 
 
@@ -489,12 +490,14 @@ def _driver_gpu():
             "blocks cannot be sized to the GPU's SMs"
         )
 
-    def call(name, *args):
+    def status(name, *args):
         if not hasattr(driver, name):
             raise RuntimeError(f"the CUDA driver has no {name}")
-        status = getattr(driver, name)(*args)
-        if status:
-            raise RuntimeError(f"the CUDA driver's {name} returned error {status}")
+        return getattr(driver, name)(*args)
+
+    def call(name, *args):
+        if found := status(name, *args):
+            raise RuntimeError(f"the CUDA driver's {name} returned error {found}")
 
     device, value = ctypes.c_int(), ctypes.c_int()
     call("cuInit", 0)
@@ -513,21 +516,21 @@ def _driver_gpu():
             )
         call("cuDeviceGet", ctypes.byref(device), 0)
 
-    def attribute(number, required=True):
-        if required:
-            call("cuDeviceGetAttribute", ctypes.byref(value), number, device)
-            return value.value
+    def attribute(number):  # 0 where the driver does not tell it
         value.value = 0
-        found = driver.cuDeviceGetAttribute(ctypes.byref(value), number, device)
-        return value.value if found == 0 else 0
+        if status("cuDeviceGetAttribute", ctypes.byref(value), number, device):
+            return 0
+        return value.value
 
     sms, shared = attribute(SM_COUNT), attribute(SHARED_OPTIN)
+    if not sms or not shared:
+        raise RuntimeError(
+            "the CUDA driver does not tell the GPU's SM count or shared memory "
+            "a block: the decode kernel cannot be sized to it"
+        )
     # Two transfers a clock (DDR), as NVIDIA's deviceQuery counts: 3.35 TB/s
     # for an H100 SXM's 2,619 MHz over 5,120 bits.
-    clock, bus_bits = (
-        attribute(MEMORY_CLOCK_KHZ, False),
-        attribute(BUS_WIDTH_BITS, False),
-    )
+    clock, bus_bits = attribute(MEMORY_CLOCK_KHZ), attribute(BUS_WIDTH_BITS)
     bandwidth = 2 * clock * 1e3 * bus_bits / 8 if clock and bus_bits else None
     return GPU(sms, shared, bandwidth)
 
@@ -542,6 +545,23 @@ def splits(batch, groups, tiles, sms):
     return math.ceil(tiles / per)
 
 
+def rows_read(latent, packed=None):
+    """What the kernel reads for ``latent``: (rows, values, group size, bits,
+    dtype of the values, byte offset of the scales in a row of values); an
+    exact latent is its own rows, at 0 bits."""
+    if packed is None:
+        return latent, mx.zeros((1, 1, 1, 1), mx.uint8), 1, 0, latent.dtype, 0
+    x, v, (group_size, bits, _, dtype, rope_width, rope_dtype) = packed
+    scale_at = rope_width * getattr(mx, rope_dtype).size
+    return x, v, group_size, bits, getattr(mx, dtype), scale_at
+
+
+def row_bytes(latent, packed=None):
+    """Bytes the kernel stages a position of ``latent`` (``staged_row``)."""
+    _, _, group_size, bits, dtype, scale_at = rows_read(latent, packed)
+    return staged_row(latent.shape[-1], bits, group_size, dtype.size, scale_at)
+
+
 def prepare(
     queries, latent, scale, mask=None, packed=None, sms=None, tile=TILE, stages=None
 ):
@@ -554,13 +574,7 @@ def prepare(
     B, H, _, D = queries.shape
     L = latent.shape[2]
     NT = threads(D)
-    if packed is None:
-        x, v, (group_size, bits) = latent, mx.zeros((1, 1, 1, 1), mx.uint8), (1, 0)
-        dtype, scale_at = latent.dtype, 0
-    else:
-        x, v, (group_size, bits, _, dtype, rope_width, rope_dtype) = packed
-        dtype = getattr(mx, dtype)
-        scale_at = rope_width * getattr(mx, rope_dtype).size
+    x, v, group_size, bits, dtype, scale_at = rows_read(latent, packed)
     if (
         NT is None
         or bits not in (0, 2, 4, 8)
@@ -581,7 +595,7 @@ def prepare(
     q = mx.contiguous((queries * scale).astype(mx.float32).reshape(B, H, D))
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
-    row = staged_row(D, bits, group_size, dtype.size, scale_at)
+    row = row_bytes(latent, packed)
     stages = stages or max(RING[0], min(RING[1], STAGED // (tile * row)))
     # Whole tiles a block, as the kernel shares them out: no block left idle.
     parts = splits(B, groups, math.ceil(L / tile), sms or sm_count())

@@ -159,7 +159,7 @@ def test_unaligned_quantized_rows_are_read_a_byte_at_a_time(
     assert ON_CUDA or emulator.vector_loads == emulator.async_copies == 0
 
 
-@pytest.mark.parametrize("tile, stages", [(8, 2), (8, 4), (32, 2), (32, 3)])
+@pytest.mark.parametrize("tile, stages", [(8, 2), (8, 4), (32, 2), (32, 3), (16, 1)])
 @pytest.mark.parametrize("bits", [0, 4])
 def test_each_tile_and_ring_size_a_sweep_may_measure_attends_as_the_reference(
     kernel, tile, stages, bits
@@ -191,16 +191,20 @@ def kernel_tiles(monkeypatch):
 
     monkeypatch.setattr(decode_cuda, "latent_attention", fake)
     monkeypatch.setattr(kernel_tiles, "wrong_tile", None, raising=False)
+    monkeypatch.setattr(kernel_tiles, "_AGREES", {})
     return kernel_tiles
 
 
 SWEEP = argparse.Namespace(tiles=[8, 32], stages=[2], repeats=2, calls=1)
 
 
-def test_the_tile_sweep_times_each_size_the_gpus_shared_memory_holds(kernel_tiles):
-    # 64 KB a block: 4-bit rows at 32 a tile take 68 KB; 16 (4 in the ring,
+def test_the_tile_sweep_times_each_size_the_gpus_shared_memory_holds(
+    kernel_tiles, monkeypatch
+):
+    # 64 KB a block: 4-bit rows at 32 a tile take 87 KB; 16 (4 in the ring,
     # the default) 53 KB, 8 (2) 22 KB.
     gpu = decode_cuda.GPU(4, 64 * 1024, 1e11)
+    monkeypatch.setattr(decode_cuda, "gpu", lambda: gpu)
     rows = kernel_tiles.measure("4-bit", 300, 1, SWEEP, gpu)
     sizes = [(r["path"], r["tile"], r["ring"], r["default"]) for r in rows]
     assert sizes == [
@@ -210,19 +214,23 @@ def test_the_tile_sweep_times_each_size_the_gpus_shared_memory_holds(kernel_tile
     ]
     for r in rows:
         assert len(r["samples"]) == 2
-        # 301 rows of 256 packed bytes and 32 of scales and biases a step.
+        # 300 rows of 256 packed bytes, 32 of scales and biases and 20 heads'
+        # bf16 scores a step.
         moved = r["gb_per_s"] * 1e9 * r["us"] / 1e6
-        assert moved == pytest.approx(301 * 288)
+        assert moved == pytest.approx(300 * (288 + 40))
         assert r["peak_percent"] == pytest.approx(100 * r["gb_per_s"] * 1e9 / 1e11)
     assert rows[1]["x_default"] == 1.0 and rows[1]["shared_kb"] * 1024 <= 64 * 1024
 
 
-def test_the_tile_sweep_leaves_out_a_size_that_disagrees(kernel_tiles, capsys):
+def test_the_tile_sweep_leaves_out_a_size_that_fails_the_kernels_check(
+    kernel_tiles, monkeypatch, capsys
+):
     kernel_tiles.wrong_tile = 8
     gpu = decode_cuda.GPU(4, 227 * 1024, None)
+    monkeypatch.setattr(decode_cuda, "gpu", lambda: gpu)
     rows = kernel_tiles.measure("bf16", 300, 1, SWEEP, gpu)
     assert [(r["tile"], r["ring"]) for r in rows] == [(None, None), (16, 2), (32, 2)]
-    assert "tile 8, ring 2 disagrees: left out" in capsys.readouterr().out
+    assert "tile 8, ring 2 fails the kernel's check" in capsys.readouterr().out
     assert all(r["peak_percent"] is None for r in rows)
 
 
@@ -237,6 +245,32 @@ def test_the_tile_sweep_refuses_to_run_without_mlxs_cuda_backend():
     )
     assert out.returncode == 1
     assert "it needs MLX's CUDA backend" in out.stderr
+
+
+def gpu_checks(tmp_path, parts):
+    env = dict(os.environ, PYTHON=sys.executable, PARTS=parts, OUT=str(tmp_path))
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_checks.sh"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(env, QUICK="1"),
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the sweep refuses where there is no CUDA")
+def test_gpu_checks_runs_the_parts_named_and_exits_with_the_worst(tmp_path):
+    out = gpu_checks(tmp_path, "sweep")
+    assert out.returncode == 1
+    assert (tmp_path / "parts.txt").read_text().startswith("part sweep: exit 1 in ")
+    assert "it needs MLX's CUDA backend" in out.stdout  # the failed part's errors
+    assert not (tmp_path / "tests.txt").exists()
+
+
+def test_gpu_checks_refuses_a_part_it_does_not_have(tmp_path):
+    out = gpu_checks(tmp_path, "sweep,speed")
+    assert out.returncode == 2 and "no part 'sweep,speed'" in out.stdout
 
 
 def test_an_additive_mask_is_added_to_each_heads_scores(kernel):
@@ -317,11 +351,11 @@ def test_without_a_cuda_driver_the_sm_count_is_an_error_naming_it(monkeypatch):
 # The driver's calls ``decode_cuda.gpu`` makes: GPU 0 is an A100 (108 SMs,
 # 163 KB of shared memory a block, 1,215 MHz over 5,120 bits), GPU 1 (at PCI
 # address 0000:3b:00.0) an H100 (132, 227 KB, 2,619 MHz). ``clocks``: whether
-# the driver tells the memory clock.
+# the driver tells the memory clock; ``counts``: the SM count.
 FAKE_DRIVER = r"""
 #include <string.h>
 extern "C" {
-int inits = 0, gpus = 1, clocks = 1;
+int inits = 0, gpus = 1, clocks = 1, counts = 1;
 int cuInit(unsigned flags) { ++inits; return flags; }
 int cuDeviceGetCount(int* n) { *n = gpus; return 0; }
 int cuDeviceGet(int* device, int i) { *device = i; return i < gpus ? 0 : 101; }
@@ -332,7 +366,7 @@ int cuDeviceGetByPCIBusId(int* device, const char* bus) {
 int cuDeviceGetAttribute(int* value, int attribute, int device) {
   const int h100 = device == 1;
   switch (attribute) {
-    case 16: *value = h100 ? 132 : 108; return 0;
+    case 16: *value = h100 ? 132 : 108; return counts ? 0 : 1;
     case 97: *value = h100 ? 232448 : 166912; return 0;
     case 36: *value = h100 ? 2619000 : 1215000; return clocks ? 0 : 1;
     case 37: *value = 5120; return 0;
@@ -364,6 +398,7 @@ def driver(fake_driver, monkeypatch):
     ctypes.c_int.in_dll(lib, "inits").value = 0
     ctypes.c_int.in_dll(lib, "gpus").value = 2
     ctypes.c_int.in_dll(lib, "clocks").value = 1
+    ctypes.c_int.in_dll(lib, "counts").value = 1
     return lib
 
 
@@ -407,6 +442,16 @@ def test_a_driver_that_does_not_tell_the_memory_clock_gives_no_bandwidth(
     ctypes.c_int.in_dll(driver, "gpus").value = 1
     ctypes.c_int.in_dll(driver, "clocks").value = 0
     assert decode_cuda.gpu() == decode_cuda.GPU(108, 166912, None)
+
+
+def test_a_driver_that_does_not_tell_the_sm_count_is_an_error_naming_it(
+    driver, monkeypatch
+):
+    monkeypatch.setattr(mx, "device_info", lambda d: {})
+    ctypes.c_int.in_dll(driver, "gpus").value = 1
+    ctypes.c_int.in_dll(driver, "counts").value = 0
+    with pytest.raises(RuntimeError, match="does not tell the GPU's SM count"):
+        decode_cuda.gpu()
 
 
 def test_a_variant_over_the_gpus_shared_memory_is_no_kernel(monkeypatch):
