@@ -595,7 +595,7 @@ def prepare(
     q = mx.contiguous((queries * scale).astype(mx.float32).reshape(B, H, D))
     HB = heads_per_block(H)
     groups = math.ceil(H / HB)
-    row = row_bytes(latent, packed)
+    row = staged_row(D, bits, group_size, dtype.size, scale_at)
     stages = stages or max(RING[0], min(RING[1], STAGED // (tile * row)))
     # Whole tiles a block, as the kernel shares them out: no block left idle.
     parts = splits(B, groups, math.ceil(L / tile), sms or sm_count())
