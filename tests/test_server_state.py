@@ -162,6 +162,7 @@ class Recorded(set):
     def __init__(self):
         super().__init__()
         self.added, self.contexts = [], []
+        self.released = threading.Event()  # the test is done: wait no more
 
     def add(self, replies):
         self.added.append(replies)
@@ -171,8 +172,10 @@ class Recorded(set):
         def put_then_wait(item, *args, **kwargs):
             put(item, *args, **kwargs)
             if hasattr(item, "token"):
-                while not self.contexts[0]._should_stop:
-                    time.sleep(0.01)  # the handler's thread runs on
+                # The handler's thread runs on; a context that never stops
+                # fails the test's checks instead of hanging the server's stop.
+                while not (self.contexts[0]._should_stop or self.released.is_set()):
+                    time.sleep(0.01)
 
         replies.queue = SimpleNamespace(put=put_then_wait, queue=replies.queue)
 
@@ -181,9 +184,9 @@ def test_a_request_whose_handler_failed_is_owed_nothing(
     installed, model_path, monkeypatch
 ):
     args = command_line(monkeypatch, "--model", model_path)
-    s = Serving(args)
+    s, owed = Serving(args), Recorded()
     try:
-        owed = served.of(s.provider).open_replies = Recorded()
+        served.of(s.provider).open_replies = owed
         generate = s.generator.generate
 
         def fails_after_the_first_token(*a, **k):
@@ -203,7 +206,9 @@ def test_a_request_whose_handler_failed_is_owed_nothing(
         status, reply = post_json(s.port, "/v1/chat/completions", body)
         assert status == 500 and "the handler failed" in reply["error"]
     finally:
+        owed.released.set()
         s.stop()  # joins the handler's thread and the loop
+    assert owed.contexts[0]._should_stop
     # Upstream dropped the stopped row after the token the handler read, with
     # no None: the request is still owed nothing.
     (replies,) = owed.added
