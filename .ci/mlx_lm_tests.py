@@ -31,7 +31,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx_lm
@@ -42,6 +44,10 @@ TESTS = ["test_models.py", "test_prompt_cache.py", "test_generate.py", "test_ser
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "upstream"))
 import apply  # noqa: E402  (upstream/apply.py)
+
+# The runs are independent processes: two at a time, one a core here. Each
+# one's output is printed whole when it ends, not interleaved.
+PRINTING = threading.Lock()
 
 
 def run(*cmd, **kwargs):
@@ -66,7 +72,7 @@ def outcomes(name, tests, work, files, tree=None, active=False):
     }
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    subprocess.run(
+    ran = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -81,7 +87,12 @@ def outcomes(name, tests, work, files, tree=None, active=False):
         cwd=tests,
         env=env,
         timeout=1800,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    with PRINTING:
+        print(f"--- {name}: mlx-lm's tests {' '.join(files)}", ran.stdout, sep="\n")
     result = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         bad = [c.tag for c in case if c.tag in ("failure", "error")]
@@ -103,8 +114,12 @@ def in_files(results, files):
 
 
 def main():
+    with tempfile.TemporaryDirectory(prefix="mlx-lm-tests-") as work:
+        return check(Path(work))
+
+
+def check(work):
     version = mlx_lm.__version__
-    work = Path(tempfile.mkdtemp(prefix="mlx-lm-tests-"))
     spec = f"mlx-lm=={version}"
     run(
         sys.executable,
@@ -156,15 +171,26 @@ def main():
         )
 
     whole = sorted(p.name for p in tests.glob("test_*.py")) if form else TESTS
-    release = outcomes("release", tests, work, whole)
-    ways = {"active": (outcomes("active", tests, work, TESTS, active=True), TESTS)}
+    runs = {"release": (tests, whole, None), "active": (tests, TESTS, None)}
     for way, tree in trees.items():
         # Run apart from the tree, as the release's are, so test ids match.
         shutil.copytree(tree / "tests", work / f"{tree.name}-tests")
-        ways[way] = (
-            outcomes(tree.name, work / f"{tree.name}-tests", work, whole, tree),
-            whole,
-        )
+        runs[way] = (work / f"{tree.name}-tests", whole, tree)
+    with ThreadPoolExecutor(2) as pool:
+        got = {
+            way: pool.submit(
+                outcomes,
+                tree.name if tree else way,
+                where,
+                work,
+                files,
+                tree,
+                active=way == "active",
+            )
+            for way, (where, files, tree) in runs.items()
+        }
+        release = got.pop("release").result()
+        ways = {way: (f.result(), runs[way][1]) for way, f in got.items()}
     listed = changed_on_purpose()
     added = {}  # way -> the test ids its tree has and the release has not
     counts = {
@@ -220,13 +246,21 @@ def main():
 def added_tests_fail_before_their_patch(trees, added, work):
     """Each patch's added tests fail on the tree before it (the release for
     patch 1): they test what the patch brings."""
-    ok, before, known = True, None, set()
-    for way, tree in trees.items():
-        mine = added[way] - known
-        # The patched tree's files that hold them, run against the tree before it.
-        files = sorted({t.split(".")[0] + ".py" for t in mine})
-        tests = work / f"{tree.name}-tests"
-        got = outcomes(f"{tree.name}-before", tests, work, files, before)
+    ok, before, known, runs = True, None, set(), {}
+    with ThreadPoolExecutor(2) as pool:
+        for way, tree in trees.items():
+            mine = added[way] - known
+            # The patched tree's files that hold them, run against the tree before it.
+            files = sorted({t.split(".")[0] + ".py" for t in mine})
+            tests = work / f"{tree.name}-tests"
+            job = pool.submit(
+                outcomes, f"{tree.name}-before", tests, work, files, before
+            )
+            runs[way] = (mine, job)
+            known |= added[way]
+            before = tree
+    for way, (mine, job) in runs.items():
+        got = job.result()
         passing = sorted(short(t) for t in mine if got.get(t) != "fail")
         print(
             f"{way}: {len(mine) - len(passing)} of its {len(mine)} added tests fail without it"
@@ -239,8 +273,6 @@ def added_tests_fail_before_their_patch(trees, added, work):
                 f"{way}: added tests that do not fail without it:", *passing, sep="\n  "
             )
             ok = False
-        known |= added[way]
-        before = tree
     return ok
 
 

@@ -76,13 +76,25 @@ def sixteen_byte_moves(source, arch):
 
 
 def main():
+    with tempfile.TemporaryDirectory(prefix="mla-kernel-") as folder:
+        return compile_all(Path(folder))
+
+
+def compile_all(folder):
     decode = Emulator(
-        decode_cuda.INPUTS, decode_cuda.OUTPUTS, decode_cuda.SOURCE, decode_cuda.HEADER
+        decode_cuda.INPUTS,
+        decode_cuda.OUTPUTS,
+        decode_cuda.SOURCE,
+        decode_cuda.HEADER,
+        folder=folder,
     )
     combine = Emulator(
-        decode_cuda.COMBINE_INPUTS, decode_cuda.COMBINE_OUTPUTS, decode_cuda.COMBINE
+        decode_cuda.COMBINE_INPUTS,
+        decode_cuda.COMBINE_OUTPUTS,
+        decode_cuda.COMBINE,
+        folder=folder,
     )
-    folder, failed = Path(tempfile.mkdtemp(prefix="mla-kernel-")), 0
+    failed = 0
     for i, (name, launch) in enumerate(variants()):
         kernel = combine if name.startswith("combine") else decode
         source = kernel.cuda_source(
