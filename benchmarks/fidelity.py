@@ -9,10 +9,18 @@ flips do not hide the cache's own error; one layer for the DSA models, so the
 indexer's picks cannot change. Prefill, quantize as ``generate_step`` does,
 then decode one token at a time.
 
+With ``--tf32`` every float32 matmul (``@``, ``mx.matmul``, ``mx.addmm``: the
+models' linear layers, the RoPE-key scores, the decode fold) takes its inputs
+rounded to TF32's 10-bit mantissa, as a GPU's tensor cores take them where
+MLX lets float32 matmuls run as TF32 (CUDA by default): emulated here, on the
+reference and the quantized run alike. MLX's attention kernel keeps float32.
+
     python benchmarks/fidelity.py            # ~30 s
+    python benchmarks/fidelity.py --tf32 --json benchmarks/results/fidelity_tf32.json
 """
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -24,6 +32,27 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_mla
 from mlx_lm_mla import tiny
+
+
+def tf32(x):
+    # Round to nearest (ties away from zero) at TF32's 10 mantissa bits.
+    if not isinstance(x, mx.array) or x.dtype != mx.float32:
+        return x
+    bits = mx.view(x, mx.uint32) + mx.array(0x1000, mx.uint32)
+    return mx.view(bits & mx.array(0xFFFFE000, mx.uint32), mx.float32)
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """Every float32 matmul written in Python runs on TF32-rounded inputs."""
+    matmul, addmm, operator = mx.matmul, mx.addmm, mx.array.__matmul__
+    mx.matmul = lambda a, b, **k: matmul(tf32(a), tf32(b), **k)
+    mx.addmm = lambda c, a, b, **k: addmm(c, tf32(a), tf32(b), **k)
+    mx.array.__matmul__ = lambda a, b: operator(tf32(a), tf32(b))
+    try:
+        yield
+    finally:
+        mx.matmul, mx.addmm, mx.array.__matmul__ = matmul, addmm, operator
 
 
 def decode_logits(model, tokens, prefill, bits):
@@ -67,10 +96,41 @@ def main():
     parser.add_argument("--prefill", type=int, default=96)
     parser.add_argument("--decode", type=int, default=48)
     parser.add_argument("--topk", type=int, nargs="+", default=[16, 32, 48, 96])
+    parser.add_argument(
+        "--tf32", action="store_true", help="float32 matmuls on TF32-rounded inputs"
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     started = time.perf_counter()
     mlx_lm_mla.install()
+    with tf32_matmuls() if args.tf32 else contextlib.nullcontext():
+        rows = measure(args)
+    print(
+        f"max |logit difference|, {args.prefill} tokens prefilled and quantized, "
+        f"{args.decode} decoded; median and largest over seeds 0-{args.seeds - 1}"
+        + (", float32 matmuls on TF32-rounded inputs" if args.tf32 else "")
+    )
+    table(
+        rows,
+        [
+            ("model", "model", None),
+            ("read", "positions read", None),
+            ("median8", "8-bit median", "{:.4f}"),
+            ("max8", "8-bit max", "{:.4f}"),
+            ("median4", "4-bit median", "{:.4f}"),
+            ("max4", "4-bit max", "{:.4f}"),
+        ],
+    )
+    payload = {
+        "rows": [
+            {k if isinstance(k, str) else f"bits{k}": v for k, v in r.items()}
+            for r in rows
+        ]
+    }
+    print("wrote", write_json(args.json, "fidelity", args, payload, started))
+
+
+def measure(args):
     tokens = [(5 * i + 7) % 190 + 5 for i in range(args.prefill + args.decode)]
     rows = []
     variant_list = list(variants(args.topk, args.prefill, len(tokens)))
@@ -92,28 +152,7 @@ def main():
                 max(row[bits]),
             )
         rows.append(row)
-    print(
-        f"max |logit difference|, {args.prefill} tokens prefilled and quantized, "
-        f"{args.decode} decoded; median and largest over seeds 0-{args.seeds - 1}"
-    )
-    table(
-        rows,
-        [
-            ("model", "model", None),
-            ("read", "positions read", None),
-            ("median8", "8-bit median", "{:.4f}"),
-            ("max8", "8-bit max", "{:.4f}"),
-            ("median4", "4-bit median", "{:.4f}"),
-            ("max4", "4-bit max", "{:.4f}"),
-        ],
-    )
-    payload = {
-        "rows": [
-            {k if isinstance(k, str) else f"bits{k}": v for k, v in r.items()}
-            for r in rows
-        ]
-    }
-    print("wrote", write_json(args.json, "fidelity", args, payload, started))
+    return rows
 
 
 if __name__ == "__main__":

@@ -421,6 +421,7 @@ RENDER = {
     "bytes_per_token": bytes_per_token,
     "decode_speed": decode_speed,
     "fidelity": fidelity,
+    "fidelity_tf32": fidelity,
     "mixed_batch_memory": mixed_batch_memory,
     "next_turn": next_turn,
     "peak_memory": peak_memory,
