@@ -142,7 +142,9 @@ def reference_attention(queries, latent, scale, mask=None, read=None):
     return out
 
 
-_CHOSEN = {}  # (kind, batch, length's bits) -> the path serving those steps
+# (kind, batch, length's bits, device, the paths offered) -> the path serving
+# those steps: a choice holds only where every one of its rivals was there.
+_CHOSEN = {}
 _OFF = {}  # kind -> paths that failed or disagreed on a step of that kind
 _KERNEL_AGREES = {}  # kind -> whether the kernel passed its check on random rows
 
@@ -150,16 +152,24 @@ _KERNEL_AGREES = {}  # kind -> whether the kernel passed its check on random row
 def attend(original, queries, latent, cache, scale, mask):
     """One MLA decode step by the path ``decode_path`` names; under ``auto``,
     the path chosen for the step's kind (heads, width, dtypes, format, mask),
-    batch and length (to the next power of two): on the CPU by rule (see
-    ``rule``), elsewhere by ``choose`` at the first such step. A chosen
-    path that raises later is turned off for the kind and stock serves."""
+    batch, length (by its power of two: 64 to 127 positions share a choice),
+    device and the paths it offers: on the CPU by rule (see ``rule``),
+    elsewhere by ``choose`` at the first such step. A chosen path that raises
+    later is turned off for the kind and stock serves."""
     kind, paths = _paths(original, queries, latent, cache, scale, mask)
     path = decode_path()
     if path != "auto":
         if path not in paths:
             raise RuntimeError(f"MLX_LM_MLA_DECODE=kernel: {_no_kernel()}")
         return paths[path]()
-    key = (kind, queries.shape[0], latent.shape[2].bit_length())
+    offered = tuple(n for n in paths if n != "reference")
+    key = (
+        kind,
+        queries.shape[0],
+        latent.shape[2].bit_length(),
+        str(mx.default_device()),
+        offered,
+    )
     if key not in _CHOSEN:
         path = rule(key)
         if path is None:
@@ -237,11 +247,12 @@ def _no_kernel():
 
 
 def _named(key):
-    (heads, width, dtype, fmt, mask), batch, bits = key
+    (heads, width, dtype, fmt, mask), batch, bits, device, _ = key
     fmt = f"{fmt[1]}-bit latent" if isinstance(fmt, tuple) else f"{fmt} latent"
     return (
         f"{heads} heads of width {width}, {dtype} queries, {fmt}, mask {mask}, "
-        f"batch {batch}, {1 << max(bits - 1, 0)} to {(1 << bits) - 1} positions"
+        f"batch {batch}, {1 << max(bits - 1, 0)} to {(1 << bits) - 1} positions "
+        f"on {device}"
     )
 
 
@@ -252,7 +263,7 @@ def choose(key, paths):
     kind = key[0]
     off = _OFF.setdefault(kind, set())
     if "kernel" in paths and "kernel" not in off and not kernel_checked(kind):
-        off.add("kernel")
+        _off(kind, "kernel")
     outs = {"stock": paths["stock"]()}
     mx.eval(outs["stock"])
     try:
@@ -274,7 +285,7 @@ def choose(key, paths):
                 log.warning(
                     "MLA decode: %s off for %s: %s: %s", name, kind, type(e).__name__, e
                 )
-                off.add(name)
+                _off(kind, name)
                 outs.pop(name, None)
     if exact is not None:
         error = {n: _distance(out, exact) for n, out in outs.items()}
@@ -288,9 +299,15 @@ def choose(key, paths):
                 error[name],
                 error["stock"],
             )
-            off.add(name)
+            _off(kind, name)
             del outs[name]
-    seconds = _seconds({n: paths[n] for n in outs}) if len(outs) > 1 else {}
+    seconds = {}
+    if len(outs) > 1:
+        seconds = _seconds({n: paths[n] for n in outs})
+        for name in [n for n in outs if n != "stock" and n not in seconds]:
+            log.warning("MLA decode: %s off for %s: it raised while timed", name, kind)
+            _off(kind, name)
+            del outs[name]
     best = min(outs, key=lambda n: seconds.get(n, 0.0))
     timed = ", ".join(f"{n} {1e3 * s:.3g} ms" for n, s in seconds.items())
     log.info("MLA decode: %s serves %s (%s)", best, _named(key), timed or "alone")
@@ -309,20 +326,36 @@ def _turn_off(kind, path, error):
         type(error).__name__,
         error,
     )
+    _off(kind, path)
+
+
+def _off(kind, path):
+    """``path`` serves no step of ``kind`` from now on: the lengths it was
+    chosen for are chosen again among the others."""
     _OFF.setdefault(kind, set()).add(path)
-    for key in [k for k, p in _CHOSEN.items() if k[0] == kind and p == path]:
-        del _CHOSEN[key]  # chosen again among the others
+    # list() copies at once: a server's other thread may be adding a choice.
+    for key, chosen in list(_CHOSEN.items()):
+        if key[0] == kind and chosen == path:
+            _CHOSEN.pop(key, None)
 
 
 def _seconds(runs, repeats=5):
     """Median seconds of each run, the repetitions interleaved (the order
-    rotating) so that a change of clock or load falls on every run alike."""
+    rotating) so that a change of clock or load falls on every run alike; a
+    run that raises is left out."""
     names = list(runs)
     times = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name not in times:
+                continue
             start = time.perf_counter()
-            mx.eval(runs[name]())
+            try:
+                mx.eval(runs[name]())
+            except Exception as e:  # left out: it serves no step
+                log.warning("MLA decode: %s raised while timed: %s", name, e)
+                del times[name]
+                continue
             times[name].append(time.perf_counter() - start)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 

@@ -226,6 +226,9 @@ def test_an_attention_that_no_longer_calls_it_is_named_and_its_decode_is_off(
 # The choice among stock, the fold and (on CUDA) the kernel.
 
 
+TIMED = decode._seconds  # as imported, before a test patches it
+
+
 @pytest.fixture
 def auto(monkeypatch):
     """Steps choose their path afresh, by timing on every device (the CPU's
@@ -422,12 +425,56 @@ def test_each_batch_size_and_length_is_chosen_once(auto, caplog):
         for batch, length in [(1, 40), (2, 40), (1, 50), (1, 70), (2, 60)]:
             attention_step(batch, length)
     kind = (20, 512, mx.bfloat16, mx.bfloat16, mx.bfloat16)
-    assert sorted(decode._CHOSEN) == [(kind, 1, 6), (kind, 1, 7), (kind, 2, 6)]
+    assert sorted(k[:3] for k in decode._CHOSEN) == [
+        (kind, 1, 6),
+        (kind, 1, 7),
+        (kind, 2, 6),
+    ]
     # One INFO line a choice, naming the path and what it serves.
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(lines) == len(timed) == 3
     assert lines[1].startswith("MLA decode: fold serves 20 heads of width 512")
     assert "batch 2, 32 to 63 positions" in lines[1]
+
+
+def test_a_path_off_at_one_length_serves_no_other_length_of_its_kind(auto, monkeypatch):
+    seconds, _ = auto
+    seconds.update(stock=2.0, fold=1.0)
+    # The fold serves 32 to 63 positions, then raises in its check at 70.
+    failed = broken(monkeypatch, "fold", after=1)
+    attention_step(1, 40)
+    assert list(decode._CHOSEN.values()) == ["fold"]
+    attention_step(1, 70)
+    got = attention_step(1, 40)
+    assert len(failed) == 2 and set(decode._CHOSEN.values()) == {"stock"}
+    with monkeypatch.context() as m:
+        m.setenv("MLX_LM_MLA_DECODE", "stock")
+        assert mx.array_equal(got, attention_step(1, 40)).item()
+
+
+def test_a_path_that_raises_while_timed_serves_no_step(auto, monkeypatch, caplog):
+    # Timed for real: the fold passes its check, then raises in its first run.
+    monkeypatch.setattr(decode, "_seconds", TIMED)
+    failed = broken(monkeypatch, "fold", after=1)
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_mla.decode"):
+        got = attention_step(1, 40)
+        attention_step(1, 40)
+    assert len(failed) == 2 and list(decode._CHOSEN.values()) == ["stock"]
+    assert "fold off" in caplog.text and "raised while timed" in caplog.text
+    with monkeypatch.context() as m:
+        m.setenv("MLX_LM_MLA_DECODE", "stock")
+        assert mx.array_equal(got, attention_step(1, 40)).item()
+
+
+def test_a_choice_holds_only_on_the_device_it_was_made_on(auto, monkeypatch):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+    attention_step(1, 40)
+    gpu = mx.Device(mx.gpu)
+    monkeypatch.setattr(decode.mx, "default_device", lambda: gpu)
+    attention_step(1, 40)
+    assert len(timed) == 2
+    assert sorted(k[3] for k in decode._CHOSEN) == sorted([str(gpu), "Device(cpu, 0)"])
 
 
 def test_on_the_cpu_the_fold_serves_from_16_positions_by_rule(monkeypatch, calls):

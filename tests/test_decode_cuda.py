@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from cuda_emulator import Emulator
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_mla
@@ -802,6 +803,24 @@ def test_a_kernel_that_raises_at_a_later_step_is_turned_off_and_stock_serves(
     expected = decode_logits(model, prefill=120)
     mlx_lm_mla.install()
     assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_choice_made_without_the_kernel_does_not_serve_where_it_is_offered(
+    kernel_calls, timed, monkeypatch
+):
+    # As `mlx-lm-mla bench` switches between ours and portable in one process.
+    seconds, runs = timed
+    seconds.update(kernel=1.0, fold=2.0, stock=3.0)
+    monkeypatch.setattr(decode_cuda, "available", lambda: decode_cuda.ENABLED)
+    q, x = queries(B=1, dtype=mx.bfloat16), latent(B=1, dtype=mx.bfloat16)
+    for enabled in (True, False, True, False):
+        monkeypatch.setattr(decode_cuda, "ENABLED", enabled)
+        decode.attend(scaled_dot_product_attention, q, x, None, 0.05, None)
+    # Each choice timed once, among the paths there; none turned off.
+    assert runs == [["fold", "kernel", "stock"], ["fold", "stock"]]
+    assert sorted(decode._CHOSEN.values()) == ["fold", "kernel"]
+    assert decode._OFF == {next(iter(decode._CHOSEN))[0]: set()}
+    assert len(kernel_calls) == 1 + 1 + 1  # its check, its choice, its step
 
 
 def test_a_forced_kernel_serves_every_step_unchecked_and_untimed(
