@@ -129,6 +129,7 @@ def completion(server, prompt, **extra):
     return reply
 
 
+HI = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, "prompt"),
     (
@@ -210,6 +211,63 @@ BAD_REQUESTS = [
         {"prompt": "hi", "max_tokens": 163840},
         "max_tokens must be at most",
     ),  # the context
+    # A JSON bool where mlx-lm reads an integer: its check takes it for one.
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "logprobs": True, "top_logprobs": True},
+        "top_logprobs must be an integer",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": True},
+        "max_tokens must be an integer",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "max_completion_tokens": True},
+        "max_completion_tokens must be an integer",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "temperature": 0.7, "top_k": True},
+        "top_k must be an integer",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "num_draft_tokens": True},
+        "num_draft_tokens must be an integer",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "repetition_penalty": 1.2, "repetition_context_size": True},
+        "repetition_context_size must be an integer",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "presence_penalty": 0.5, "presence_context_size": True},
+        "presence_context_size must be an integer",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "frequency_penalty": 0.5, "frequency_context_size": True},
+        "frequency_context_size must be an integer",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "temperature": 0.7, "seed": True},
+        "seed must be an integer",
+    ),
+    # Values float() cannot take: upstream's TypeError was a 500.
+    (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"5": None}},
+        'logit_bias["5"] must be a number',
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "logit_bias": {"5": [1]}},
+        'logit_bias["5"] must be a number',
+    ),
 ]
 
 
@@ -324,6 +382,24 @@ def test_a_request_whose_sampler_fails_in_a_batch_ends_alone_and_the_others_deco
         s.text == fresh["solo"][i] for i, s in enumerate(streams) if s.error is None
     )
     assert after == fresh["served"]
+
+
+def test_a_bool_top_logprobs_beside_a_decoding_request_leaves_its_answer_as_alone(
+    model_path,
+):
+    # Upstream takes the bool for an int; the batch it joined failed at its
+    # first reply, every request in it with the same error.
+    q = questions(1)[0]
+    long = {"max_tokens": 400, "cache_prompt": False, **DISTINCT}  # greedy
+    bad = {"messages": HI, "max_tokens": 4, "logprobs": True, "top_logprobs": True}
+    with Server(model_path, "--decode-concurrency", 4) as server:
+        alone = server.chat(q, **long)[0]
+        beside = Stream(server, q, **long)
+        beside.start()
+        beside.started.wait()  # its first token: it is decoding
+        post_json(server.port, "/v1/chat/completions", bad)
+        beside.join()
+    assert beside.error is None and beside.text == alone
 
 
 def test_an_out_of_vocabulary_logit_bias_changes_no_later_answer(model_path):

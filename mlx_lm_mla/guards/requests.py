@@ -250,12 +250,57 @@ def bad_request_status(original):
     return _set_completion_headers
 
 
+# The fields mlx-lm reads as integers. Its check is ``isinstance(v, int)``,
+# which a JSON bool passes: ``top_logprobs: true`` fails the batch it joins.
+INTEGER_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "top_k",
+    "num_draft_tokens",
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
+    "top_logprobs",
+    "seed",
+)
+
+
+def parameters_problem(body):
+    """Why a body's fields are of a kind mlx-lm's own checks let through but
+    cannot serve, or None: a bool for an integer, a ``logit_bias`` value that
+    ``float`` cannot take (upstream's TypeError would be a 500)."""
+    if not isinstance(body, dict):
+        return None
+    for name in INTEGER_FIELDS:
+        if isinstance(body.get(name), bool):
+            return f"{name} must be an integer, not {json.dumps(body[name])}"
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        for token, value in bias.items():
+            try:
+                float(value)
+            except (TypeError, ValueError):
+                where = f"logit_bias[{json.dumps(token)}]"
+                return f"{where} must be a number, not {_kind(value)}"
+    return None
+
+
+def _kind(value):
+    # A JSON value's kind, as a client sent it.
+    kinds = {type(None): "null", list: "an array", dict: "an object", str: "a string"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def refused_parameters(original):
     """``APIHandler.validate_model_parameters``, whose refusals are the
     client's: a ``BadRequest`` (mlx-lm 0.32 answers its ValueError with 400
-    itself; 0.31 lets it out of ``do_POST``)."""
+    itself; 0.31 lets it out of ``do_POST``), and what its checks let through
+    but cannot serve, refused first."""
 
     def validate_model_parameters(self):
+        problem = parameters_problem(getattr(self, "body", None))
+        if problem:
+            raise BadRequest(problem)
         try:
             return original(self)
         except BadRequest:
