@@ -11,6 +11,8 @@ import re
 import threading
 import time
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from serving import (
@@ -275,28 +277,30 @@ BAD_REQUESTS = [
 def refused(model_path):
     """The answers to BAD_REQUESTS and to a body that is not UTF-8, sent while
     three streams decode; and those streams, and what they decode alone."""
+    long = {"max_tokens": 300, "cache_prompt": False, **DISTINCT}  # greedy
     with Server(model_path, "--decode-concurrency", 4) as server:
-        expected = [server.chat(q, max_tokens=60)[0] for q in questions(3)]
-        served, errors = [], []
-
-        def good(q):
-            try:
-                served.append(server.chat(q, max_tokens=60, stream=True)[0])
-            except RequestFailed as e:
-                errors.append(str(e))
-
-        threads = [threading.Thread(target=good, args=(q,)) for q in questions(3)]
-        for t in threads:
-            t.start()
-        answers = [post_json(server.port, path, body) for path, body, _ in BAD_REQUESTS]
-        not_utf8 = raw_post(server.port, "/v1/completions", b'{"prompt": "\xff\xfe"}')
-        for t in threads:
-            t.join()
+        expected = [server.chat(q, **long)[0] for q in questions(3)]
+        streams = [Stream(server, q, **long) for q in questions(3)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            s.started.wait()  # its first token: it is decoding
+        # All at once, so that every one arrives while the streams decode.
+        with ThreadPoolExecutor(len(BAD_REQUESTS) + 1) as pool:
+            utf8 = pool.submit(
+                raw_post, server.port, "/v1/completions", b'{"prompt": "\xff\xfe"}'
+            )
+            answers = list(
+                pool.map(lambda r: post_json(server.port, r[0], r[1]), BAD_REQUESTS)
+            )
+            not_utf8 = utf8.result()
+        for s in streams:
+            s.join()
     return dict(
         answers=answers,
         not_utf8=not_utf8,
-        served=served,
-        errors=errors,
+        served=[s.text for s in streams],
+        errors=[s.error for s in streams if s.error],
         expected=expected,
     )
 
