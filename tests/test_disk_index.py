@@ -427,6 +427,19 @@ def test_caches_of_the_first_layout_are_named_at_start_and_cleared(
     assert (caches(folder) / INDEX).is_file()  # the tier's own folder stays
 
 
+def test_a_tier_on_a_folder_named_with_uri_characters_creates_nothing_outside_it(
+    tiers, tmp_path, caplog
+):
+    folder = tmp_path / "caches?v=2#x"
+    ours, _ = first_layout(folder)
+    before = sorted(os.listdir(tmp_path))
+    with caplog.at_level(logging.INFO, logger="mlx_lm_mla.disk.older"):
+        tiers(folder=folder).flush()
+    assert sorted(os.listdir(tmp_path)) == before  # no "caches" beside it
+    assert "1 cache files" in caplog.text  # its own index was the one read
+    assert all(p.exists() for p in ours)
+
+
 def test_a_folder_of_an_older_format_starts_the_server_and_clear_empties_it(
     model_path, tmp_path
 ):
