@@ -351,10 +351,14 @@ class DiskTier:
                 )
                 return
             self._writes += 1
-        trimmable = cache_module.can_trim_prompt_cache(cache)
-        self._queue.put(
-            ("write", *found, blob, name, cachefile.snapshot(cache), trimmable)
-        )
+        try:
+            trimmable = cache_module.can_trim_prompt_cache(cache)
+            frozen = cachefile.snapshot(cache)
+        except BaseException:
+            with self._lock:
+                self._writes -= 1  # nothing queued: the writer gives back no place
+            raise
+        self._queue.put(("write", *found, blob, name, frozen, trimmable))
 
     def restore(self, model, tokens, have=0):
         """``(cache, tokens[n:])`` from the file covering the longest prefix ``n``
