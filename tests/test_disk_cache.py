@@ -839,6 +839,19 @@ def test_a_cache_file_replaced_by_a_directory_is_left_alone_and_every_start_serv
     assert (path / "keep").read_text() == "kept"
 
 
+def test_a_cache_written_again_after_its_file_went_missing_is_restored(tiers, tmp_path):
+    key = fake_model(tmp_path / "model")
+    tier = stored(tiers, key)
+    [path] = cache_files(tmp_path / "caches")
+    path.unlink()
+    assert tier.restore(key, prompt(300, 0) + [5]) is None  # refused, row removed
+    tier.flush()
+    tier.store(key, prompt(300, 0), random_cache(300, seed=0))
+    tier.flush()
+    assert path.is_file()
+    assert tier.restore(key, prompt(300, 0) + [5]) is not None
+
+
 def test_a_restore_needs_no_write_to_the_index(tiers, tmp_path):
     key = fake_model(tmp_path / "model")
     tier = stored(tiers, key)

@@ -274,7 +274,7 @@ class DiskTier:
         self.settings, self.cache_digest = settings, cache_digest(settings)
         self._paths = paths or (lambda model: model)  # model key: the paths it loads
         self._models = {}  # model key: (model JSON, model digest) or None
-        self._refused = set()  # files found bad, until the writer deletes them
+        self._refused = set()  # files found bad, until the writer writes them again
         self._warned = set()
         self.off = None  # why the tier turned itself off while running
         # A folder that cannot be written: restores from what it holds, no
@@ -554,6 +554,7 @@ class DiskTier:
             with contextlib.suppress(sqlite3.Error), self.index.transaction() as db:
                 db.execute("DELETE FROM pending WHERE name = ?", (temp,))
             raise
+        self._refused.discard(name)  # a file of its own, no longer the one refused
         for old in gone:
             unlink(self.folder, old, "a newer file holds its tokens and more")
 
