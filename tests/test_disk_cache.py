@@ -619,6 +619,27 @@ def test_the_bound_holds_while_a_file_is_being_written(tiers, child, tmp_path):
     assert len(temp_files(folder)) == 1 and tier_bytes(folder) <= bound
 
 
+def test_a_snapshot_that_fails_gives_its_place_back_to_the_writes_queued(
+    tiers, tmp_path, monkeypatch
+):
+    from mlx_lm_mla.disk import cachefile
+
+    key = fake_model(tmp_path / "model")
+    tier = tiers()
+
+    def out_of_memory(cache):
+        raise RuntimeError("[malloc] Unable to allocate")  # as mx.eval can
+
+    with monkeypatch.context() as m:
+        m.setattr(cachefile, "snapshot", out_of_memory)
+        for start in range(tier._pending + 1):  # more than the queue holds
+            with pytest.raises(RuntimeError, match="allocate"):
+                tier.store(key, prompt(300, start), random_cache(300, seed=start))
+    tier.store(key, prompt(300, 99), random_cache(300, seed=99))
+    tier.flush()
+    assert len(cache_files(tmp_path / "caches")) == 1
+
+
 def test_quantized_latents_stay_packed_on_disk(tiers, tmp_path):
     from conftest import latent_kv
 
@@ -816,6 +837,19 @@ def test_a_cache_file_replaced_by_a_directory_is_left_alone_and_every_start_serv
         assert tier.restore(key, prompt(300, start) + [5], 0) is not None
         tier.close()
     assert (path / "keep").read_text() == "kept"
+
+
+def test_a_cache_written_again_after_its_file_went_missing_is_restored(tiers, tmp_path):
+    key = fake_model(tmp_path / "model")
+    tier = stored(tiers, key)
+    [path] = cache_files(tmp_path / "caches")
+    path.unlink()
+    assert tier.restore(key, prompt(300, 0) + [5]) is None  # refused, row removed
+    tier.flush()
+    tier.store(key, prompt(300, 0), random_cache(300, seed=0))
+    tier.flush()
+    assert path.is_file()
+    assert tier.restore(key, prompt(300, 0) + [5]) is not None
 
 
 def test_a_restore_needs_no_write_to_the_index(tiers, tmp_path):

@@ -3,7 +3,9 @@ an eviction is one statement run after the start, an index of the previous
 schema is migrated; what the tier leaves beside it (an index moved aside, a
 stray journal) and a full disk."""
 
+import argparse
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -28,7 +30,8 @@ from test_disk_cache import (
 )
 
 from mlx_lm_mla.__main__ import main as mlx_lm_mla_main
-from mlx_lm_mla.disk.folder import INDEX
+from mlx_lm_mla.disk import hooks
+from mlx_lm_mla.disk.folder import INDEX, MARKER
 
 
 @pytest.fixture
@@ -366,6 +369,82 @@ def test_a_folder_that_cannot_be_made_starts_the_server_without_the_tier(
     assert "cannot make" in text
 
 
+def test_a_folder_of_the_tier_that_cannot_be_marked_starts_the_server_without_it(
+    model_path, tmp_path
+):
+    folder = tmp_path / "caches"
+    caches(folder).mkdir(parents=True)  # as a start cut short before its marker
+    log = tmp_path / "log"
+    with read_only(caches(folder)):
+        with Server(model_path, "--prompt-cache-dir", folder, log=log) as server:
+            answer(server.port, [{"role": "user", "content": "What is a trie?"}])
+        assert os.listdir(caches(folder)) == []
+    text = log.read_text()
+    assert text.count("prompt caches on disk are off") == 1, text
+    assert f"cannot mark {caches(folder)}: " in text
+
+
+_CAPABILITIES = 0x20080522  # _LINUX_CAPABILITY_VERSION_3
+_OVERRIDES = (1 << 1) | (1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+
+
+def where_modes_hold(run):
+    """``run()``, on a thread modes stop: for root (whom they do not), one that
+    has dropped the capabilities overriding them (each thread has its own)."""
+    if os.geteuid() != 0:
+        return run()
+    out = {}
+
+    def thread():
+        libc = ctypes.CDLL(None, use_errno=True)
+        header = (ctypes.c_uint32 * 2)(_CAPABILITIES, 0)  # 0: this thread
+        data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice
+        assert libc.capget(header, data) == 0, os.strerror(ctypes.get_errno())
+        data[0] &= ~_OVERRIDES
+        assert libc.capset(header, data) == 0, os.strerror(ctypes.get_errno())
+        try:
+            out["value"] = run()
+        except BaseException as e:
+            out["error"] = e
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize("unreadable", ["folder", "marker"])
+def test_a_folder_of_the_tier_that_cannot_be_read_starts_the_server_without_it(
+    tiers, tmp_path, caplog, unreadable
+):
+    folder = tmp_path / "caches"
+    tiers(folder=folder).close()  # made and marked by a tier, as another user's
+    path = caches(folder) if unreadable == "folder" else caches(folder) / MARKER
+    args = argparse.Namespace(
+        prompt_cache_dir=str(folder),
+        prompt_cache_dir_bytes=None,
+        prompt_cache_dir_min_tokens=None,
+    )
+
+    def start():  # what the server runs: its flags checked, then the tier opened
+        hooks.check_flags(argparse.ArgumentParser(), args)
+        return hooks.open_tier(args)
+
+    mode, marker = path.stat().st_mode, (caches(folder) / MARKER).read_bytes()
+    caplog.clear()
+    path.chmod(0)
+    try:
+        assert where_modes_hold(start) is None
+    finally:
+        path.chmod(mode)
+    [line] = warnings_of(caplog)
+    assert "prompt caches on disk are off" in line, line
+    assert f"cannot read {caches(folder) / MARKER}: Permission denied" in line, line
+    assert (caches(folder) / MARKER).read_bytes() == marker
+
+
 # --- caches of an older mlx-lm-mla -------------------------------------------------
 
 # The first layout's index (mlx-lm-mla-disk-1: DIR/index.sqlite, no folder of
@@ -425,6 +504,19 @@ def test_caches_of_the_first_layout_are_named_at_start_and_cleared(
     assert not any(p.exists() for p in ours)
     assert [p.read_text() for p in theirs] == ["mine"] * 2
     assert (caches(folder) / INDEX).is_file()  # the tier's own folder stays
+
+
+def test_a_tier_on_a_folder_named_with_uri_characters_creates_nothing_outside_it(
+    tiers, tmp_path, caplog
+):
+    folder = tmp_path / "caches?v=2#x"
+    ours, _ = first_layout(folder)
+    before = sorted(os.listdir(tmp_path))
+    with caplog.at_level(logging.INFO, logger="mlx_lm_mla.disk.older"):
+        tiers(folder=folder).flush()
+    assert sorted(os.listdir(tmp_path)) == before  # no "caches" beside it
+    assert "1 cache files" in caplog.text  # its own index was the one read
+    assert all(p.exists() for p in ours)
 
 
 def test_a_folder_of_an_older_format_starts_the_server_and_clear_empties_it(

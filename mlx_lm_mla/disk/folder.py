@@ -114,10 +114,21 @@ def _marker_text():
 
 
 def _read_marker(path):
+    """The format a marker names; None where there is none or it names none.
+    A marker that cannot be read raises: it is not a missing one."""
     try:
         return json.loads(path.read_text()).get("format")
-    except (OSError, ValueError, AttributeError):
+    except (FileNotFoundError, ValueError, AttributeError):
         return None
+
+
+def _cannot(what, path, error):
+    """Unusable where permissions or a read-only disk stop the tier, else
+    NotOurs; naming ``path`` and the error."""
+    kind = (
+        Unusable if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else NotOurs
+    )
+    return kind(f"cannot {what} {path}: {error.strerror or error}")
 
 
 def open_folder(directory, create=True):
@@ -125,9 +136,9 @@ def open_folder(directory, create=True):
     ``create``; NotOurs, naming why, where it is not the tier's or unusable."""
     directory = Path(directory).expanduser().absolute()
     folder = directory / SUBFOLDER
-    if directory.exists() and not directory.is_dir():
-        raise NotOurs(f"{directory} is not a directory")
     try:
+        if directory.exists() and not directory.is_dir():
+            raise NotOurs(f"{directory} is not a directory")
         if create:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):
@@ -136,20 +147,23 @@ def open_folder(directory, create=True):
     except FileNotFoundError:
         raise NotOurs(f"{folder} does not exist")
     except OSError as e:
-        kind = (
-            Unusable if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else NotOurs
-        )
-        raise kind(f"cannot make {folder}: {e.strerror or e}")
+        raise _cannot("make" if create else "open", folder, e)
     if not stat.S_ISDIR(mode):
         raise NotOurs(
             f"{folder} is not a directory of the tier; move it or choose another folder"
         )
     marker = folder / MARKER
-    found = _read_marker(marker)
-    if found is None and create and set(os.listdir(folder)) <= {MARKER}:
-        # Empty, or marked by a start that was cut short: nothing to lose.
-        _write_marker(marker)
+    try:
         found = _read_marker(marker)
+    except OSError as e:
+        raise _cannot("read", marker, e)
+    try:
+        if found is None and create and set(os.listdir(folder)) <= {MARKER}:
+            # Empty, or marked by a start that was cut short: nothing to lose.
+            _write_marker(marker)
+            found = _read_marker(marker)
+    except OSError as e:
+        raise _cannot("mark", folder, e)
     if found is None:
         raise NotOurs(
             f"{folder} has no marker of the tier ({MARKER}), so what it holds "

@@ -10,6 +10,7 @@ import os
 import re
 import sqlite3
 from pathlib import Path
+from urllib.parse import quote
 
 from .folder import (
     INDEX,
@@ -50,7 +51,8 @@ def first_layout(directory):
     if not is_regular(index):
         return []
     try:
-        db = sqlite3.connect(f"file:{index}?mode=ro", uri=True)
+        # Quoted: a "?", "#" or "%xx" in DIR would name another file.
+        db = sqlite3.connect(f"file:{quote(str(index))}?mode=ro", uri=True)
         try:
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
             columns = {r[1] for r in db.execute("PRAGMA table_info(entries)")}

@@ -274,7 +274,7 @@ class DiskTier:
         self.settings, self.cache_digest = settings, cache_digest(settings)
         self._paths = paths or (lambda model: model)  # model key: the paths it loads
         self._models = {}  # model key: (model JSON, model digest) or None
-        self._refused = set()  # files found bad, until the writer deletes them
+        self._refused = set()  # files found bad, until the writer writes them again
         self._warned = set()
         self.off = None  # why the tier turned itself off while running
         # A folder that cannot be written: restores from what it holds, no
@@ -351,10 +351,14 @@ class DiskTier:
                 )
                 return
             self._writes += 1
-        trimmable = cache_module.can_trim_prompt_cache(cache)
-        self._queue.put(
-            ("write", *found, blob, name, cachefile.snapshot(cache), trimmable)
-        )
+        try:
+            trimmable = cache_module.can_trim_prompt_cache(cache)
+            frozen = cachefile.snapshot(cache)
+        except BaseException:
+            with self._lock:
+                self._writes -= 1  # nothing queued: the writer gives back no place
+            raise
+        self._queue.put(("write", *found, blob, name, frozen, trimmable))
 
     def restore(self, model, tokens, have=0):
         """``(cache, tokens[n:])`` from the file covering the longest prefix ``n``
@@ -550,6 +554,7 @@ class DiskTier:
             with contextlib.suppress(sqlite3.Error), self.index.transaction() as db:
                 db.execute("DELETE FROM pending WHERE name = ?", (temp,))
             raise
+        self._refused.discard(name)  # a file of its own, no longer the one refused
         for old in gone:
             unlink(self.folder, old, "a newer file holds its tokens and more")
 
