@@ -65,8 +65,9 @@ _KERNEL = []  # decode_cuda.ENABLED as the environment left it
 
 def use_decode(variant):
     """Switches between stock mlx-lm and the package's decode for ``variant``.
-    The one place that knows how: stock is the package uninstalled (a decode
-    switch in decode.py, once there is one, can take its place here)."""
+    The one place that knows how: stock is the package uninstalled, mlx-lm as
+    published (``MLX_LM_MLA_DECODE=stock`` would still run the package's
+    caches); ``portable*`` the package with the CUDA kernel switched off."""
     import mlx_lm_mla
     from mlx_lm_mla import decode_cuda
 
