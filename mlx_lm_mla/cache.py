@@ -243,7 +243,7 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
         if not isinstance(other, _PackedLatent):
             if other.offset.size == 0:
                 return
-            packed = copy.copy(self)
+            packed = _twin(self)
             self.keys, self.values = _decoded_rows(self)
             _drop_format(self)
             return _mixed(self, packed, True).extend(other)
@@ -295,7 +295,7 @@ def extend_latent(batch, other, extend):
             quantize_latent(batch, *_settings(other), like=_packed(other))
         else:
             packed = quantize_latent(
-                copy.copy(batch), *_settings(other), like=_packed(other)
+                _twin(batch), *_settings(other), like=_packed(other)
             )
             _mixed(batch, packed, False)
         return batch.extend(other)
@@ -328,6 +328,15 @@ def _retype(cache, cls):
     they are called on, so the object itself must become the new kind."""
     cache.__class__ = cls
     return cache
+
+
+def _twin(batch):
+    """A shallow copy of ``batch`` with a left padding of its own: stock adds
+    to a batch's ``left_padding`` in place (``prepare``, ``finalize``,
+    ``filter``), so a mixed batch and its packed rows must not share it."""
+    twin = copy.copy(batch)
+    twin.left_padding = mx.array(batch.left_padding)
+    return twin
 
 
 def _built(cls, cache):
@@ -390,7 +399,7 @@ def quantize_rows(batch, rows, group_size: int = 64, bits: int = 4):
     if not isinstance(batch, BatchMixedLatentCache):
         if len(set(rows)) == batch.offset.size:
             return quantize_latent(batch, group_size, bits)
-        _mixed(batch, quantize_latent(copy.copy(batch), group_size, bits), False)
+        _mixed(batch, quantize_latent(_twin(batch), group_size, bits), False)
     batch._quantize(rows)
     return batch
 
@@ -472,9 +481,7 @@ class BatchMixedLatentCache(BatchKVCache):
                 _flags([True] * other.offset.size),
             )
         else:
-            packed = quantize_latent(
-                copy.copy(other), *_settings(self), like=self.packed
-            )
+            packed = quantize_latent(_twin(other), *_settings(self), like=self.packed)
             plain, flags = other, _flags([False] * other.offset.size)
         BatchKVCache.extend(self, plain)
         self.packed.extend(packed)

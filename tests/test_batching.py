@@ -183,3 +183,33 @@ def test_a_batch_served_with_kv_bits_quantizes_each_row_once_it_crosses(installe
     # generate_step quantizes a step later (offset > start) and prefills otherwise: close, not equal.
     agree = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
     assert all(len(g) == 8 for g in got) and agree >= 24
+
+
+def test_a_row_that_crosses_the_start_first_keeps_every_token_of_a_padded_chunk(
+    installed,
+):
+    # Row 0 holds 8 tokens and crosses 10 in its first chunk of 4; row 1 has
+    # all 12 to prefill, so row 0's last chunk is padded on the right.
+    model, _ = tiny.build_model("glm4_moe_lite", kv_lora_rank=128)
+    prompts = [PROMPTS[1][:14], PROMPTS[3]]
+
+    def handed_back(kv_bits):
+        gen = BatchGenerator(
+            model,
+            max_tokens=3,
+            completion_batch_size=2,
+            prefill_batch_size=2,
+            prefill_step_size=4,
+        )
+        caches = [cached(model, prompts[0], 8), cached(model, prompts[1], 0)]
+        rest = [prompts[0][8:], prompts[1]]
+        with serving_kv_bits(bits=8, start=10) if kv_bits else contextlib.nullcontext():
+            _, back = drain(gen, gen.insert(rest, [3, 3], caches=caches))
+        return [[(type(c).__name__, c.offset) for c in row] for row in back]
+
+    exact, quantized = handed_back(False), handed_back(True)
+    assert [{o for _, o in row} for row in exact] == [{17}, {15}]
+    assert [[o for _, o in row] for row in quantized] == [
+        [o for _, o in row] for row in exact
+    ]
+    assert {t for row in quantized for t, _ in row} == {"QuantizedLatentCache"}

@@ -258,6 +258,64 @@ def test_a_mixed_batch_becomes_quantized_once_every_row_is(installed):
     ]
 
 
+def _with_a_row_quantized(lengths):
+    from mlx_lm_mla.cache import quantize_rows
+
+    return quantize_rows(batch_of(lengths), [1], 64, 8)
+
+
+def _extended(first, second, bits_first=None, bits_second=None):
+    batch = batch_of(first, bits=bits_first)
+    batch.extend(batch_of(second, bits=bits_second))
+    return batch
+
+
+def _mixed_then_extended():
+    batch = _with_a_row_quantized([6, 9])
+    batch.extend(batch_of([4]))
+    return batch
+
+
+# Each way a mixed batch of rows 6, 9 and 4 tokens long is made, beside the
+# plain batch of the same rows made the same way.
+MIXED_BATCHES = {
+    "a row quantized": (
+        lambda: _with_a_row_quantized([6, 9, 4]),
+        lambda: batch_of([6, 9, 4]),
+    ),
+    "a quantized batch takes exact rows": (
+        lambda: _extended([6], [9, 4], bits_first=8),
+        lambda: _extended([6], [9, 4]),
+    ),
+    "an exact batch takes quantized rows": (
+        lambda: _extended([6], [9, 4], bits_second=8),
+        lambda: _extended([6], [9, 4]),
+    ),
+    "a mixed batch takes exact rows": (
+        _mixed_then_extended,
+        lambda: _extended([6, 9], [4]),
+    ),
+}
+
+
+@pytest.mark.parametrize("made", MIXED_BATCHES.values(), ids=list(MIXED_BATCHES))
+def test_a_mixed_batch_keeps_every_rows_tokens_through_a_right_padded_chunk(
+    made, installed
+):
+    # BatchGenerator's prefill chunk of 4 positions, the first row's last 2 of
+    # them padding: that padding is added once (stock adds it in place).
+    mixed, plain = (make() for make in made)
+    assert type(mixed) is BatchMixedLatentCache and type(plain) is BatchKVCache
+    for batch in (mixed, plain):
+        batch.prepare(lengths=[2, 4, 4], right_padding=[2, 0, 0])
+        batch.update_and_fetch(*rows(4, B=3, seed=3))
+        batch.finalize()
+    offsets = [[b.extract(i).offset for i in range(3)] for b in (mixed, plain)]
+    assert offsets == [[8, 13, 8]] * 2
+    assert mixed.left_padding.tolist() == plain.left_padding.tolist()
+    assert mx.array_equal(mixed.make_mask(1), plain.make_mask(1)).item()
+
+
 def test_a_mixed_batch_whose_quantized_rows_leave_is_plain_again(installed):
     batch = batch_of([4, 6], bits=8)
     batch.extend(batch_of([9]))
