@@ -44,15 +44,18 @@ def dequantize_bytes(packed, scales, biases, group_size, bits, dtype=None):
         return latent if dtype is None else latent.astype(dtype)
     if dtype is not None:
         scales, biases = scales.astype(dtype), biases.astype(dtype)
-    lead = packed.shape[:-1]
-    q = packed.reshape(*lead, scales.shape[-1], -1)  # the bytes of each group
+    # Widths given, not inferred: a row of no positions has nothing to infer from.
+    lead, groups = packed.shape[:-1], scales.shape[-1]
+    q = packed.reshape(*lead, groups, packed.shape[-1] // groups)  # each group's bytes
     if bits < 8:  # unpack in one broadcast op, the low bits first
         shifts = mx.array(list(range(0, 8, bits)), dtype=mx.uint8)
         q = ((q[..., None] >> shifts) & ((1 << bits) - 1)).reshape(
-            *lead, scales.shape[-1], -1
+            *lead, groups, group_size
         )
     # uint8 times the scales' dtype: no separate cast, one intermediate fewer.
-    return (q * scales[..., None] + biases[..., None]).reshape(*lead, -1)
+    return (q * scales[..., None] + biases[..., None]).reshape(
+        *lead, groups * group_size
+    )
 
 
 LAYOUT = "packed-keys"

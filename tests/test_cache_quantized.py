@@ -185,6 +185,13 @@ def test_merge_of_exact_and_quantized_singles_keeps_each_row_s_precision(install
     assert type(exact) is KVCache  # the inputs are left as they were
 
 
+def test_a_quantized_row_of_no_positions_merges_with_an_exact_one(installed):
+    empty = batch_of([5, 0], bits=8).extract(1)
+    assert type(empty) is QuantizedLatentCache and empty.offset == 0
+    batch = KVCache.merge([empty, latent_kv(3)])
+    assert type(batch) is BatchMixedLatentCache and batch.offset.tolist() == [0, 3]
+
+
 def test_merge_refuses_caches_quantized_differently(installed):
     a = latent_kv(5).to_quantized(64, 8)
     b = latent_kv(5).to_quantized(64, 4)
