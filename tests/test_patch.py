@@ -111,3 +111,53 @@ def test_a_patch_whose_target_is_gone_is_named_and_warned_once(stock, monkeypatc
         warnings.simplefilter("error")
         mlx_lm_mla.install()  # no second warning
     assert patches.missing() == ["mlx_lm.server.ResponseGenerator._is_batchable"]
+
+
+def test_uninstall_restores_what_a_module_imported_since_copied(stock, monkeypatch):
+    import sys
+    import types
+
+    original = upstream_cache.make_prompt_cache
+    mlx_lm_mla.install()
+    # As `from mlx_lm.models.cache import make_prompt_cache` in a module that
+    # mlx-lm imports later (mlx_lm.server, mlx_lm.chat, mlx_lm.cache_prompt).
+    late = types.ModuleType("mlx_lm._imported_since")
+    late.make_prompt_cache = upstream_cache.make_prompt_cache
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    assert late.make_prompt_cache is not original
+    restored = mlx_lm_mla.uninstall()
+    assert late.make_prompt_cache is original
+    assert "mlx_lm._imported_since.make_prompt_cache" in restored
+
+
+def test_server_patches_that_fail_are_taken_back_and_the_import_goes_on(
+    stock, monkeypatch
+):
+    import mlx_lm.server
+
+    mlx_lm_mla.install()
+    before, calls, apply = mlx_lm_mla.installed(), [], patches._apply
+
+    def fails_at_the_fourth(patch, planned):
+        calls.append(patch)
+        if len(calls) == 4:
+            raise RuntimeError("a patch that cannot be applied")
+        apply(patch, planned)
+
+    monkeypatch.setattr(patches, "_server", [])
+    monkeypatch.setattr(patches, "_apply", fails_at_the_fourth)
+    with pytest.warns(RuntimeWarning, match="could not apply its mlx_lm.server"):
+        patches.server_imported(mlx_lm.server)
+    # The three it applied are taken back: the server runs as without them.
+    assert len(calls) == 4 and mlx_lm_mla.installed() == before
+    assert patches._server == []
+
+
+def test_a_patch_whose_module_is_gone_is_named_and_its_feature_switched_off(stock):
+    from mlx_lm_mla.patches.table import Patch
+
+    mlx_lm_mla.install()
+    gone = Patch("mlx_lm.no_such_module", "make", "wrap", lambda f: f, "gone")
+    patches.apply_table([gone])
+    assert "mlx_lm.no_such_module.make" in patches.missing()
+    assert "gone" in patches._off

@@ -25,6 +25,9 @@ from .table import EVERYTHING
 SERVER = "mlx_lm.server"
 
 _applied = []  # (owner, name, had_own_value, old_value, label, feature), in order
+# (name, original, replacement) of each rebind: a module imported after it
+# copies the replacement by name, and gets the original back at uninstall.
+_rebound = []
 _missing = []  # labels of the targets and private names this mlx-lm lacks
 _off = []  # features switched off for it
 _server = []  # the mlx_lm.server module once its patches are applied
@@ -138,10 +141,13 @@ def _plan(patch):
     absent or takes other parameters."""
     if patch.how == "unknown":
         return patch.target
-    module = importlib.import_module(patch.module)
+    label = f"{patch.module}.{patch.target}"
+    try:
+        module = importlib.import_module(patch.module)
+    except ImportError:  # an mlx-lm without that module
+        return label
     path, _, name = patch.target.rpartition(".")
     owner = _owner(module, path)
-    label = f"{patch.module}.{patch.target}"
     original = getattr(owner, name, None) if owner is not None else None
     if patch.how == "classmethod":
         found = vars(owner).get(name) if isinstance(owner, type) else None
@@ -169,6 +175,7 @@ def _apply(patch, planned):
     elif patch.how == "classmethod":
         set_attr(owner, name, classmethod(replacement), label, patch.feature)
     elif patch.how == "rebind":
+        _rebound.append((name, current, replacement))
         for module_name, bound in list(sys.modules.items()):
             if (
                 module_name.startswith("mlx_lm")
@@ -212,9 +219,37 @@ def _install_server(server):
 
 
 def server_imported(server):
-    if _applied and hasattr(server, "main"):
+    """Applies the server's patches as ``mlx_lm.server`` is imported; where
+    they fail, takes back what they applied and warns: the import goes on."""
+    if not (_applied and hasattr(server, "main")) or _server:
+        return
+    before = len(_applied)
+    try:
         _install_server(server)
-        _report()
+    except Exception as e:
+        _undo(before)
+        _server.clear()
+        warnings.warn(
+            f"mlx-lm-mla could not apply its mlx_lm.server patches "
+            f"({type(e).__name__}: {e}); the server runs without them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    _report()
+
+
+def _undo(keep):
+    """Takes back every change after the first ``keep``; their labels."""
+    restored = []
+    while len(_applied) > keep:
+        owner, name, had, old, label, _ = _applied.pop()
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
+        restored.append(label)
+    return restored[::-1]
 
 
 def install():
@@ -258,18 +293,22 @@ def uninstall():
     global _logged
     from ..mla import _FOUND, ATTENTION
 
-    restored = []
     ATTENTION.clear()
     _FOUND.clear()
-    while _applied:
-        owner, name, had, old, label, _ = _applied.pop()
-        if had:
-            setattr(owner, name, old)
-        else:
-            delattr(owner, name)
-        restored.append(label)
+    restored = _undo(0)
+    # Modules imported since (mlx_lm.server, chat, cache_prompt...) copied the
+    # replacements by name: the latest first, each back to what it wrapped.
+    for name, original, replacement in reversed(_rebound):
+        for module_name, bound in list(sys.modules.items()):
+            if (
+                module_name.startswith("mlx_lm")
+                and getattr(bound, name, None) is replacement
+            ):
+                setattr(bound, name, original)
+                restored.append(f"{module_name}.{name}")
+    _rebound.clear()
     _missing.clear()
     _off.clear()
     _server.clear()
     _logged = 0
-    return restored[::-1]
+    return restored
