@@ -227,3 +227,30 @@ def test_the_quick_start_installs_into_a_virtual_environment():
 def test_the_test_time_claim_is_marked_for_restating():
     text = README.read_text(encoding="utf-8")
     assert re.search(r"^<!-- test-time -->\nThe tests, .*\stake\s", text, re.M | re.S)
+
+
+def design_examples():
+    """design.md's Python examples: (source, the output its last comment
+    lines quote, each without the note after two spaces)."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    found = []
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        lines = block.rstrip("\n").splitlines()
+        quoted = []
+        while lines and lines[-1].startswith("# "):
+            quoted.insert(0, re.split(r"\s{2,}", lines.pop()[2:])[0])
+        found.append(("\n".join(lines), quoted))
+    return found
+
+
+@pytest.mark.parametrize("source,quoted", design_examples())
+def test_the_design_docs_examples_print_what_they_say(source, quoted):
+    out = subprocess.run(
+        [sys.executable, "-c", source],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert quoted and out.stdout.splitlines() == quoted
