@@ -17,7 +17,7 @@ from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
 
-from conftest import swap_layers_in_header
+from conftest import latent_kv, swap_layers_in_header
 
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(20)]
 
@@ -349,3 +349,14 @@ def test_a_file_with_the_data_only_checksum_of_earlier_releases_loads_and_is_che
     open(old, "wb").write(bytes(damaged))
     with pytest.raises(CorruptCacheFile, match="checksum does not match"):
         cache_module.load_prompt_cache(old)
+
+
+def test_a_batch_whose_rows_differ_in_precision_is_refused_by_name(installed, tmp_path):
+    from mlx_lm.models.cache import KVCache
+
+    exact, quantized = latent_kv(5, seed=1), latent_kv(9, seed=2).to_quantized(64, 8)
+    batch = KVCache.merge([exact, quantized])
+    path = tmp_path / "mixed.safetensors"
+    with pytest.raises(ValueError, match="BatchMixedLatentCache .* cannot be saved"):
+        save_prompt_cache(str(path), [batch])
+    assert not path.exists()

@@ -7,6 +7,7 @@ import os
 import tempfile
 from copy import deepcopy
 
+from ..cache import BatchMixedLatentCache
 from ..checksum import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
 from ..mla import is_latent, leaves
 from .table import FILES, Patch
@@ -105,6 +106,15 @@ def checked_save(original):
     the caller's metadata holds) and writes zero-size arrays (``EMPTY``)."""
 
     def save_prompt_cache(file_name, cache, *args, **kwargs):
+        for c in leaves(cache):
+            if isinstance(c, BatchMixedLatentCache):
+                # Its state is the rows as read, without their bytes: the file
+                # would not load back. Its rows can: each is a cache alone.
+                raise ValueError(
+                    "save_prompt_cache: a BatchMixedLatentCache (a batch whose "
+                    "rows differ in precision) cannot be saved; save the cache "
+                    "of each row (extract(i)) instead"
+                )
         layers, empty = [], {}
         for i, c in enumerate(cache):
             layer, found = _writable(c)
