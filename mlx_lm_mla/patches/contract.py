@@ -162,6 +162,7 @@ NAMES = (
         ("BatchKVCache.keys", Field(), "a batch's latent, quantized in place"),
         ("BatchKVCache.values", Field(), "a batch's RoPE keys"),
         ("BatchKVCache.offset", Field(), "each row's length, to quantize it"),
+        ("BatchKVCache.left_padding", Field(), "a mixed batch's halves, each its own"),
         ("BatchKVCache.update_and_fetch", Method(_PARAMS), "stores packed rows"),
         ("BatchKVCache.make_mask", Method(("self", "N")), "a packed batch's mask"),
         ("BatchKVCache.filter", Method(("self", "batch_indices")), "drops rows"),
