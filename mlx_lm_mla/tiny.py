@@ -617,6 +617,19 @@ def load(path):
     return mlx_lm.load(str(path))
 
 
+def _seed(text):
+    """A seed mx.random.seed takes: a whole number from 0 to 2**64 - 1."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**64:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from 0 to 2**64 - 1, got {text!r}"
+        )
+    return seed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="mlx-lm-mla tiny-model",
@@ -632,12 +645,16 @@ def main(argv=None):
         help="its architecture: %(choices)s (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of its random weights (default: 0)"
+        "--seed", type=_seed, default=0, help="seed of its random weights (default: 0)"
     )
     args = parser.parse_args(argv)
     path = Path(args.dir)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         parser.error(f"{path} exists and is not an empty folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, a read-only file system
+        parser.error(f"cannot make the folder {path}: {e.strerror or e}")
     save_demo_model(path, args.model_type, args.seed)
     print(
         f"wrote a tiny random {args.model_type} ({DEMO_WEIGHT_BITS}-bit weights) "

@@ -1,6 +1,7 @@
 """The command line: ``python -m mlx_lm_mla`` / ``mlx-lm-mla``."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,6 +30,16 @@ def test_serve_takes_mlx_lm_server_flags():
     out = run("serve", "--help")
     assert out.returncode == 0
     assert "--decode-concurrency" in out.stdout and "--prompt-cache-size" in out.stdout
+
+
+def test_mlx_lm_mla_disable_keeps_the_fix_off_mlx_lm_but_not_off_serve():
+    env = {**os.environ, "MLX_LM_MLA_DISABLE": "1"}
+    stock = [sys.executable, "-m", "mlx_lm.server", "--help"]
+    serve = [sys.executable, "-m", "mlx_lm_mla", "serve", "--help"]
+    for command, fixed in ((stock, False), (serve, True)):
+        out = subprocess.run(command, env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and "--prompt-cache-size" in out.stdout
+        assert ("--prompt-cache-dir" in out.stdout) == fixed
 
 
 def test_an_unknown_command_is_named_in_an_error_line_after_the_usage():

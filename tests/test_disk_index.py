@@ -6,6 +6,7 @@ stray journal) and a full disk."""
 import argparse
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -234,6 +235,29 @@ def test_cache_dir_stats_shows_the_index_moved_aside_and_clear_deletes_it(
     assert mlx_lm_mla_main(["cache-dir", "clear", str(folder)]) == 0
     assert asides(folder) == [] and cache_files(folder) == []
     assert "1 index moved aside" in capsys.readouterr().out
+
+
+def test_cache_dir_clear_on_a_read_only_file_system_is_one_error_line(
+    tiers, tmp_path, capsys, monkeypatch
+):
+    key = fake_model(tmp_path / "model")
+    folder = tmp_path / "caches"
+    stored(tiers, key).close()
+    (caches(folder) / INDEX).write_bytes(os.urandom(8192))  # to be moved aside
+    kept = cache_files(folder)
+
+    def read_only(source, target):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), source, None, target)
+
+    monkeypatch.setattr(os, "rename", read_only)
+    capsys.readouterr()
+    assert mlx_lm_mla_main(["cache-dir", "clear", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"mlx-lm-mla cache-dir: error: cannot clear {folder}: "
+        f"{os.strerror(errno.EROFS)}\n"
+    )
+    assert cache_files(folder) == kept
 
 
 def directory(path):

@@ -1,6 +1,7 @@
 """``mlx-lm-mla tiny-model DIR``, and the README's "Try it in a minute": its
 commands run as written, on a real ``mlx_lm.server``, with and without the fix."""
 
+import errno
 import json
 import os
 import re
@@ -92,6 +93,20 @@ def test_an_unknown_model_type_is_refused_by_name(tmp_path, capsys):
     said = refused(capsys, tmp_path / "m", "--model-type", "llama")
     assert "invalid choice: 'llama'" in said
     assert not (tmp_path / "m").exists()
+
+
+def test_a_negative_seed_is_refused_by_name(tmp_path, capsys):
+    said = refused(capsys, tmp_path / "m", "--seed", "-1")
+    assert "argument --seed: expected a whole number from 0 to 2**64 - 1" in said
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_folder_that_cannot_be_made_is_refused_with_why(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    said = refused(capsys, tmp_path / "file" / "m")
+    assert f"error: cannot make the folder {tmp_path / 'file' / 'm'}: " in said
+    assert os.strerror(errno.ENOTDIR) in said
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 # --- the README -------------------------------------------------------------------

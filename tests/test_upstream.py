@@ -12,6 +12,7 @@ the one the series is written for, only the refusals are tested.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,19 @@ def test_each_patch_stays_within_its_budget(patch):
 
 def test_the_fix_adds_at_most_200_lines_under_mlx_lm():
     assert apply.added_lines(apply.SERIES[0])["mlx_lm"] <= 200
+
+
+@pytest.mark.parametrize("patch", apply.SERIES, ids=lambda p: p.name)
+def test_the_summary_gives_each_patchs_added_lines_as_counted(patch):
+    text = (HERE.parent / "docs" / "upstream-pr.md").read_text(encoding="utf-8")
+    said = re.search(
+        rf"\[`{re.escape(patch.name)}`\].*?(\d+)\s+(?:added\s+lines\s+)?under"
+        r"\s+`mlx_lm/`,\s+(\d+)\s+under\s+`tests/`",
+        text,
+        re.DOTALL,
+    )
+    added = apply.added_lines(patch)
+    assert said and said.groups() == (str(added["mlx_lm"]), str(added["tests"]))
 
 
 def test_the_hub_stand_in_loads_offline(tmp_path):

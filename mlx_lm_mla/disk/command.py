@@ -203,4 +203,11 @@ def main(argv=None):
     except NotOurs as e:
         print(f"mlx-lm-mla cache-dir: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only file system, a folder not ours to write
+        print(
+            f"mlx-lm-mla cache-dir: error: cannot {args.action} "
+            f"{_path(args.directory)}: {e.strerror or e}",
+            file=sys.stderr,
+        )
+        return 2
     return 0
