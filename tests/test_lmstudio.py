@@ -441,6 +441,22 @@ def test_the_home_pointer_is_followed(layout, cli, tmp_path):
     assert code == 0 and str(layout.app) in out
 
 
+def small_layer(tmp_path):
+    """A layer of mlx-lm's metadata and package folder only, and the empty
+    ``site-packages/__pycache__`` a layer may have."""
+    layer = metadata_only_layer(tmp_path / "app@1", metadata.version("mlx-lm"))
+    (site(layer) / "__pycache__").mkdir()
+    return layer
+
+
+def test_install_and_uninstall_leave_every_file_and_folder_as_before(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    assert cli("uninstall", "--layer", str(layer))[0] == 0
+    assert tree(layer) == before  # folders too: the empty __pycache__ stays
+
+
 # --- refusals: a clear message, nothing written ------------------------------------------
 
 

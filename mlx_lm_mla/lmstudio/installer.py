@@ -154,8 +154,9 @@ def _remove(path: Path):
 
 
 def _prune(site: Path, folders):
-    # Deepest first; only folders left empty, never site-packages itself.
-    candidates = {f for p in folders for f in (p / "__pycache__", p)}
+    # Deepest first; only folders left empty, and only the package's own: never
+    # site-packages nor its __pycache__, which the layer had.
+    candidates = {f for p in folders if p != site for f in (p / "__pycache__", p)}
     for folder in sorted(candidates, key=lambda p: -len(p.parts)):
         if folder != site and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
