@@ -449,6 +449,10 @@ def small_layer(tmp_path):
     return layer
 
 
+def record_of(layer: Path) -> Path:
+    return site(layer) / f"mlx_lm_mla-{__version__}.dist-info" / "RECORD"
+
+
 def test_install_and_uninstall_leave_every_file_and_folder_as_before(cli, tmp_path):
     layer = small_layer(tmp_path)
     before = tree(layer)
@@ -565,6 +569,33 @@ def test_mlx_lm_mla_files_without_a_record_are_not_touched(cli, tmp_path):
     for command in ("install", "uninstall"):
         code, _, err = cli(command, "--layer", str(layer))
         assert code == 1 and "without a record" in err
+    assert tree(layer) == before
+
+
+def test_a_record_row_without_a_hash_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    with record_of(layer).open("a") as record:
+        record.write("mlx_lm/__init__.py,,\n")  # the layer's own mlx_lm
+    before = tree(layer)
+    for command in ("uninstall", "install"):
+        code, _, err = cli(command, "--layer", str(layer))
+        assert code == 1 and "nothing written" in err
+        assert "lists mlx_lm/__init__.py without a hash" in err
+    assert tree(layer) == before
+
+
+def test_a_record_row_outside_the_package_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    theirs = (site(layer) / "mlx_lm" / "__init__.py").read_bytes()
+    with record_of(layer).open("a") as record:
+        record.write(f"mlx_lm/__init__.py,{installer._digest(theirs)},{len(theirs)}\n")
+    before = tree(layer)
+    for command in ("uninstall", "install"):
+        code, _, err = cli(command, "--layer", str(layer))
+        assert code == 1 and "nothing written" in err
+        assert "lists mlx_lm/__init__.py, which is not mlx-lm-mla's" in err
     assert tree(layer) == before
 
 

@@ -68,6 +68,21 @@ class Install:
                 f"{installer or 'an unknown installer'}, "
                 "not by `mlx-lm-mla lmstudio`; remove it with that tool"
             )
+        info = Path(self.dist._path).name  # this record's own dist-info folder
+        for f in self.dist.files:
+            own_record = f.as_posix() == f"{info}/RECORD"
+            if f.hash is None and not own_record:
+                raise Refused(
+                    f"the record of {NAME} in {site} lists {f} without a hash; "
+                    "not touching it"
+                )
+            if ".." in f.parts or not (
+                f.parts[0] in (PACKAGE, info) or f.as_posix() == PTH
+            ):
+                raise Refused(
+                    f"the record of {NAME} in {site} lists {f}, which is not "
+                    f"{NAME}'s ({PACKAGE}/, {PTH} or {info}/); not touching it"
+                )
         self.files = {site / f: f for f in self.dist.files}
 
     @property
