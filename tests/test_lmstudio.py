@@ -461,6 +461,65 @@ def test_install_and_uninstall_leave_every_file_and_folder_as_before(cli, tmp_pa
     assert tree(layer) == before  # folders too: the empty __pycache__ stays
 
 
+def test_an_uninstall_cut_short_removed_the_activation_and_can_be_finished(
+    cli, tmp_path, monkeypatch
+):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    remove, calls = installer._remove, []
+
+    def interrupted(path):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        remove(path)
+
+    monkeypatch.setattr(installer, "_remove", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli("uninstall", "--layer", str(layer))
+    monkeypatch.undo()
+    assert not (site(layer) / "mlx_lm_mla.pth").exists()  # the fix is off
+    code, out, err = cli("uninstall", "--layer", str(layer))
+    assert code == 0 and f"removed mlx-lm-mla {__version__}" in out, err
+    assert tree(layer) == before
+
+
+def test_an_install_over_a_record_with_missing_files_repairs_it(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    installed = tree(layer)
+    (site(layer) / "mlx_lm_mla" / "cache.py").unlink()
+    (site(layer) / "mlx_lm_mla.pth").unlink()
+    assert "mlx_lm_mla/cache.py is missing" in cli("status", "--layer", str(layer))[1]
+    code, _, err = cli("install", "--layer", str(layer))
+    assert code == 0, err
+    assert tree(layer) == installed
+    assert cli("uninstall", "--layer", str(layer))[0] == 0
+    assert tree(layer) == before
+
+
+def test_an_upgrade_interrupted_midway_leaves_the_older_install_alone(
+    cli, tmp_path, monkeypatch
+):
+    layer = small_layer(tmp_path)
+    monkeypatch.setattr(installer, "__version__", "0.0.9")
+    assert cli("install", "--layer", str(layer))[0] == 0
+    monkeypatch.undo()
+    older = tree(layer)
+
+    def interrupted(path):  # the new record is written, the old one not yet gone
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(installer, "_remove", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli("install", "--layer", str(layer))
+    monkeypatch.undo()
+    assert tree(layer) == older
+    assert "mlx-lm-mla 0.0.9 installed" in cli("status", "--layer", str(layer))[1]
+
+
 # --- refusals: a clear message, nothing written ------------------------------------------
 
 

@@ -89,14 +89,16 @@ class Install:
     def version(self):
         return self.dist.version if self.dist else None
 
-    def mismatches(self):
-        """Files that differ from the record, or that the record does not list."""
+    def mismatches(self, missing=True):
+        """Files that differ from the record, or that the record does not list;
+        files only missing too, unless ``missing`` is false."""
         problems = []
         for path, f in self.files.items():
             if f.hash is None:
                 continue  # RECORD itself
             if not path.is_file():
-                problems.append(f"{f} is missing")
+                if missing:
+                    problems.append(f"{f} is missing")
             elif _digest(path.read_bytes()) != f"{f.hash.mode}={f.hash.value}":
                 problems.append(f"{f} was changed")
         modules = {p for p in self.files if p.suffix == ".py"}
@@ -113,7 +115,8 @@ class Install:
         return problems
 
     def check(self):
-        problems = self.mismatches()
+        # Files only missing are a cut-short install or uninstall: both finish it.
+        problems = self.mismatches(missing=False)
         if problems:
             raise Refused(
                 f"the files of {NAME} {self.version} in {self.site} do not match its "
@@ -153,6 +156,15 @@ def payload():
     return files
 
 
+def _parts(paths, site: Path):
+    """(the .pth, the rest, RECORD) of paths: install writes the activation last,
+    uninstall removes it first, so a cut-short run never leaves the .pth with half
+    a package; RECORD, which lists the rest, is the last file removed."""
+    pth = [p for p in paths if p == site / PTH]
+    record = [p for p in paths if p not in pth and p.name == "RECORD"]
+    return pth, [p for p in paths if p not in pth and p not in record], record
+
+
 def _writable(paths):
     for path in paths:
         if path.exists() and not os.access(
@@ -162,7 +174,7 @@ def _writable(paths):
 
 
 def _remove(path: Path):
-    path.unlink()
+    path.unlink(missing_ok=True)  # a cut-short uninstall left it out
     if path.suffix == ".py":
         for pyc in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
             pyc.unlink()
@@ -191,7 +203,7 @@ def install_layer(layer: Path):
     new = payload()
     new_paths = {site / name: data for name, data in new.items()}
     unchanged = set(old.files) == set(new_paths) and all(
-        p.read_bytes() == data for p, data in new_paths.items()
+        p.is_file() and p.read_bytes() == data for p, data in new_paths.items()
     )
     if unchanged:
         same = f"{NAME} {__version__} already installed, nothing changed"
@@ -215,7 +227,9 @@ def install_layer(layer: Path):
         saved = {p: p.read_bytes() for p in old.files if p.is_file()}
         created = []
         try:
-            for path, data in new_paths.items():
+            pth, rest, record = _parts(new_paths, site)
+            for path in [*rest, *record, *pth]:
+                data = new_paths[path]
                 path.parent.mkdir(exist_ok=True)
                 if not path.exists():
                     created.append(path)
@@ -231,14 +245,18 @@ def install_layer(layer: Path):
             for path in set(old.files) - set(new_paths):
                 _remove(path)
             _prune(site, folders)
-        except OSError as e:
+        except BaseException as e:  # an interrupt too: never two records left
             for path in created:
                 path.unlink(missing_ok=True)
             for path, data in saved.items():
                 path.parent.mkdir(exist_ok=True)
                 path.write_bytes(data)
             _prune(site, folders)
-            raise Refused(f"writing into {site} failed ({e}); the layer is as it was")
+            if not isinstance(e, OSError):
+                raise
+            raise Refused(
+                f"writing into {site} failed ({e}); the layer is as it was"
+            ) from e
 
     message = f"{layer}: mlx-lm {found}; {done} ({len(new)} files); {RESTART}"
     return message, write
@@ -249,14 +267,15 @@ def uninstall_layer(layer: Path):
     if site is None:
         raise Refused(f"no lib/python3.*/site-packages in {layer}")
     old = Install(site)
-    if old.version is None:
+    if old.dist is None:
         return f"{layer}: {NAME} is not installed, nothing to remove", None
     old.check()
     folders = {p.parent for p in old.files}
     _writable([site, *folders, *old.files])
 
     def write():
-        for path in old.files:
+        pth, rest, record = _parts(old.files, site)
+        for path in [*pth, *rest, *record]:
             _remove(path)
         _prune(site, folders)
 
