@@ -520,6 +520,16 @@ def test_an_upgrade_interrupted_midway_leaves_the_older_install_alone(
     assert "mlx-lm-mla 0.0.9 installed" in cli("status", "--layer", str(layer))[1]
 
 
+def test_the_same_layer_given_twice_is_written_once(cli, tmp_path, monkeypatch):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    monkeypatch.chdir(tmp_path)
+    for command, done in (("install", "installed"), ("uninstall", "removed")):
+        code, out, err = cli(command, "--layer", "app@1", "--layer", str(layer))
+        assert code == 0 and out.count(f"{done} mlx-lm-mla") == 1, err
+    assert tree(layer) == before
+
+
 # --- refusals: a clear message, nothing written ------------------------------------------
 
 
