@@ -530,6 +530,19 @@ def test_the_same_layer_given_twice_is_written_once(cli, tmp_path, monkeypatch):
     assert tree(layer) == before
 
 
+def test_a_manifest_that_is_not_an_object_is_skipped(cli, tmp_path):
+    backends = tmp_path / ".lmstudio" / "extensions" / "backends"
+    layer = metadata_only_layer(backends / "vendor" / APP, metadata.version("mlx-lm"))
+    write_json(backends / "odd-1.0" / "backend-manifest.json", [APP])
+    write_json(backends / "odder-1.0" / "backend-manifest.json", APP)
+    write_json(
+        backends / f"{ENGINE}-1.8.5" / "backend-manifest.json",
+        {"name": ENGINE, "version": "1.8.5", "vendor_lib_package_names": [APP]},
+    )
+    code, out, err = cli("status", user=tmp_path)
+    assert code == 0 and out.startswith(f"{layer}: mlx-lm-mla not installed"), err
+
+
 # --- refusals: a clear message, nothing written ------------------------------------------
 
 
@@ -639,6 +652,13 @@ def test_mlx_lm_mla_files_without_a_record_are_not_touched(cli, tmp_path):
         code, _, err = cli(command, "--layer", str(layer))
         assert code == 1 and "without a record" in err
     assert tree(layer) == before
+
+
+def test_a_home_pointer_that_is_not_utf8_is_refused_naming_it(cli, tmp_path):
+    (tmp_path / ".lmstudio-home-pointer").write_bytes(b"/Users/\xff\xfe/lm\n")
+    code, out, err = cli("status", user=tmp_path)
+    assert code == 1 and out == ""
+    assert f"{tmp_path / '.lmstudio-home-pointer'} is not UTF-8 text" in err
 
 
 def test_a_record_row_without_a_hash_is_refused_and_nothing_deleted(cli, tmp_path):
