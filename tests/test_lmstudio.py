@@ -688,6 +688,19 @@ def test_a_record_row_outside_the_package_is_refused_and_nothing_deleted(cli, tm
     assert tree(layer) == before
 
 
+def test_a_record_row_naming_a_folder_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    with record_of(layer).open("a") as record:
+        record.write(f"mlx_lm_mla/lmstudio,{installer._digest(b'')},0\n")
+    before = tree(layer)
+    for command in ("uninstall", "install"):
+        code, _, err = cli(command, "--layer", str(layer))
+        assert code == 1 and "nothing written" in err
+        assert "mlx_lm_mla/lmstudio is not a file" in err
+    assert tree(layer) == before
+
+
 # --- the README ---------------------------------------------------------------------------
 
 

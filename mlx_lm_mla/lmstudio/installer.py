@@ -97,7 +97,9 @@ class Install:
             if f.hash is None:
                 continue  # RECORD itself
             if not path.is_file():
-                if missing:
+                if path.exists() or path.is_symlink():
+                    problems.append(f"{f} is not a file")
+                elif missing:
                     problems.append(f"{f} is missing")
             elif _digest(path.read_bytes()) != f"{f.hash.mode}={f.hash.value}":
                 problems.append(f"{f} was changed")
