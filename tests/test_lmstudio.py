@@ -661,6 +661,13 @@ def test_a_home_pointer_that_is_not_utf8_is_refused_naming_it(cli, tmp_path):
     assert f"{tmp_path / '.lmstudio-home-pointer'} is not UTF-8 text" in err
 
 
+def test_a_home_pointer_holding_a_nul_is_refused_naming_it(cli, tmp_path):
+    (tmp_path / ".lmstudio-home-pointer").write_bytes(b"/Users/a\0b\n")
+    code, out, err = cli("status", user=tmp_path)
+    assert code == 1 and out == ""
+    assert f"{tmp_path / '.lmstudio-home-pointer'} holds a NUL byte" in err
+
+
 def test_a_record_row_without_a_hash_is_refused_and_nothing_deleted(cli, tmp_path):
     layer = small_layer(tmp_path)
     assert cli("install", "--layer", str(layer))[0] == 0
