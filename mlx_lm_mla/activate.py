@@ -21,21 +21,20 @@ def disabled() -> bool:
 
 
 def _activate(mlx_lm):
-    try:
-        from .patches import install
-
-        patched = install()
-    except Exception as e:  # never break the user's import of mlx_lm
-        warnings.warn(f"mlx-lm-mla could not activate: {e!r}", RuntimeWarning)
-    else:  # logging is loaded by now (mlx_lm imports it); not at start-up
+    try:  # all of it: never break the user's import of mlx_lm
+        # logging is loaded by now (mlx_lm imports it); not at start-up
         from logging import getLogger
 
         from . import __version__
+        from .patches import install
 
+        patched = install()
         getLogger("mlx_lm_mla").info(
             "mlx-lm-mla %s active (%d patches)", __version__, len(patched)
         )
         _check_settings()
+    except Exception as e:
+        warnings.warn(f"mlx-lm-mla could not activate: {e!r}", RuntimeWarning)
 
 
 def _check_settings():

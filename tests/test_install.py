@@ -119,3 +119,21 @@ def test_a_bad_decode_setting_is_named_when_mlx_lm_is_imported():
     # Still active: a decode step refuses the setting with the same words.
     assert out.returncode == 0 and int(out.stdout.split()[1]) > 0, out.stderr
     assert "MLX_LM_MLA_DECODE='fastest' is not a decode path" in out.stderr
+
+
+def test_a_broken_module_of_the_package_never_breaks_importing_mlx_lm():
+    # The start-up hook is watching; the package then loses a name activation needs.
+    code = (
+        "import warnings, mlx_lm_mla; del mlx_lm_mla.__version__; "
+        "warnings.simplefilter('always'); import mlx_lm; print(mlx_lm.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"},
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["mlx_lm"], out.stderr
+    assert "mlx-lm-mla could not activate" in out.stderr

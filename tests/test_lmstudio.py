@@ -441,6 +441,108 @@ def test_the_home_pointer_is_followed(layout, cli, tmp_path):
     assert code == 0 and str(layout.app) in out
 
 
+def small_layer(tmp_path):
+    """A layer of mlx-lm's metadata and package folder only, and the empty
+    ``site-packages/__pycache__`` a layer may have."""
+    layer = metadata_only_layer(tmp_path / "app@1", metadata.version("mlx-lm"))
+    (site(layer) / "__pycache__").mkdir()
+    return layer
+
+
+def record_of(layer: Path) -> Path:
+    return site(layer) / f"mlx_lm_mla-{__version__}.dist-info" / "RECORD"
+
+
+def test_install_and_uninstall_leave_every_file_and_folder_as_before(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    assert cli("uninstall", "--layer", str(layer))[0] == 0
+    assert tree(layer) == before  # folders too: the empty __pycache__ stays
+
+
+def test_an_uninstall_cut_short_removed_the_activation_and_can_be_finished(
+    cli, tmp_path, monkeypatch
+):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    remove, calls = installer._remove, []
+
+    def interrupted(path):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        remove(path)
+
+    monkeypatch.setattr(installer, "_remove", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli("uninstall", "--layer", str(layer))
+    monkeypatch.undo()
+    assert not (site(layer) / "mlx_lm_mla.pth").exists()  # the fix is off
+    code, out, err = cli("uninstall", "--layer", str(layer))
+    assert code == 0 and f"removed mlx-lm-mla {__version__}" in out, err
+    assert tree(layer) == before
+
+
+def test_an_install_over_a_record_with_missing_files_repairs_it(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    installed = tree(layer)
+    (site(layer) / "mlx_lm_mla" / "cache.py").unlink()
+    (site(layer) / "mlx_lm_mla.pth").unlink()
+    assert "mlx_lm_mla/cache.py is missing" in cli("status", "--layer", str(layer))[1]
+    code, _, err = cli("install", "--layer", str(layer))
+    assert code == 0, err
+    assert tree(layer) == installed
+    assert cli("uninstall", "--layer", str(layer))[0] == 0
+    assert tree(layer) == before
+
+
+def test_an_upgrade_interrupted_midway_leaves_the_older_install_alone(
+    cli, tmp_path, monkeypatch
+):
+    layer = small_layer(tmp_path)
+    monkeypatch.setattr(installer, "__version__", "0.0.9")
+    assert cli("install", "--layer", str(layer))[0] == 0
+    monkeypatch.undo()
+    older = tree(layer)
+
+    def interrupted(path):  # the new record is written, the old one not yet gone
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(installer, "_remove", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli("install", "--layer", str(layer))
+    monkeypatch.undo()
+    assert tree(layer) == older
+    assert "mlx-lm-mla 0.0.9 installed" in cli("status", "--layer", str(layer))[1]
+
+
+def test_the_same_layer_given_twice_is_written_once(cli, tmp_path, monkeypatch):
+    layer = small_layer(tmp_path)
+    before = tree(layer)
+    monkeypatch.chdir(tmp_path)
+    for command, done in (("install", "installed"), ("uninstall", "removed")):
+        code, out, err = cli(command, "--layer", "app@1", "--layer", str(layer))
+        assert code == 0 and out.count(f"{done} mlx-lm-mla") == 1, err
+    assert tree(layer) == before
+
+
+def test_a_manifest_that_is_not_an_object_is_skipped(cli, tmp_path):
+    backends = tmp_path / ".lmstudio" / "extensions" / "backends"
+    layer = metadata_only_layer(backends / "vendor" / APP, metadata.version("mlx-lm"))
+    write_json(backends / "odd-1.0" / "backend-manifest.json", [APP])
+    write_json(backends / "odder-1.0" / "backend-manifest.json", APP)
+    write_json(
+        backends / f"{ENGINE}-1.8.5" / "backend-manifest.json",
+        {"name": ENGINE, "version": "1.8.5", "vendor_lib_package_names": [APP]},
+    )
+    code, out, err = cli("status", user=tmp_path)
+    assert code == 0 and out.startswith(f"{layer}: mlx-lm-mla not installed"), err
+
+
 # --- refusals: a clear message, nothing written ------------------------------------------
 
 
@@ -549,6 +651,60 @@ def test_mlx_lm_mla_files_without_a_record_are_not_touched(cli, tmp_path):
     for command in ("install", "uninstall"):
         code, _, err = cli(command, "--layer", str(layer))
         assert code == 1 and "without a record" in err
+    assert tree(layer) == before
+
+
+def test_a_home_pointer_that_is_not_utf8_is_refused_naming_it(cli, tmp_path):
+    (tmp_path / ".lmstudio-home-pointer").write_bytes(b"/Users/\xff\xfe/lm\n")
+    code, out, err = cli("status", user=tmp_path)
+    assert code == 1 and out == ""
+    assert f"{tmp_path / '.lmstudio-home-pointer'} is not UTF-8 text" in err
+
+
+def test_a_home_pointer_holding_a_nul_is_refused_naming_it(cli, tmp_path):
+    (tmp_path / ".lmstudio-home-pointer").write_bytes(b"/Users/a\0b\n")
+    code, out, err = cli("status", user=tmp_path)
+    assert code == 1 and out == ""
+    assert f"{tmp_path / '.lmstudio-home-pointer'} holds a NUL byte" in err
+
+
+def test_a_record_row_without_a_hash_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    with record_of(layer).open("a") as record:
+        record.write("mlx_lm/__init__.py,,\n")  # the layer's own mlx_lm
+    before = tree(layer)
+    for command in ("uninstall", "install"):
+        code, _, err = cli(command, "--layer", str(layer))
+        assert code == 1 and "nothing written" in err
+        assert "lists mlx_lm/__init__.py without a hash" in err
+    assert tree(layer) == before
+
+
+def test_a_record_row_outside_the_package_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    theirs = (site(layer) / "mlx_lm" / "__init__.py").read_bytes()
+    with record_of(layer).open("a") as record:
+        record.write(f"mlx_lm/__init__.py,{installer._digest(theirs)},{len(theirs)}\n")
+    before = tree(layer)
+    for command in ("uninstall", "install"):
+        code, _, err = cli(command, "--layer", str(layer))
+        assert code == 1 and "nothing written" in err
+        assert "lists mlx_lm/__init__.py, which is not mlx-lm-mla's" in err
+    assert tree(layer) == before
+
+
+def test_a_record_row_naming_a_folder_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    with record_of(layer).open("a") as record:
+        record.write(f"mlx_lm_mla/lmstudio,{installer._digest(b'')},0\n")
+    before = tree(layer)
+    for command in ("uninstall", "install"):
+        code, _, err = cli(command, "--layer", str(layer))
+        assert code == 1 and "nothing written" in err
+        assert "mlx_lm_mla/lmstudio is not a file" in err
     assert tree(layer) == before
 
 

@@ -46,6 +46,11 @@ def main(argv=None):
         parser.error("--all finds layers in a home folder; it does not go with --layer")
     try:
         layers = args.layer or find_layers(args.home or find_home(), args.all)
+        # One folder given twice (L and $PWD/L) is one layer: written once.
+        unique = {}
+        for layer in layers:
+            unique.setdefault(layer.resolve(), layer)
+        layers = list(unique.values())
         if args.command == "status":
             for layer in layers:
                 print(layer_status(layer))

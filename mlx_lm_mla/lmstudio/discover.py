@@ -31,9 +31,15 @@ def find_home() -> Path:
     pointer = user / ".lmstudio-home-pointer"
     candidates = []
     if pointer.is_file():
-        candidates.append(
-            Path(pointer.read_text(encoding="utf-8").strip()).expanduser()
-        )
+        try:
+            text = pointer.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise Refused(
+                f"{pointer} is not UTF-8 text; give --home DIR or --layer DIR"
+            ) from None
+        if "\0" in text:
+            raise Refused(f"{pointer} holds a NUL byte; give --home DIR or --layer DIR")
+        candidates.append(Path(text).expanduser())
     candidates += [user / ".lmstudio", user / ".cache" / "lm-studio"]
     for home in candidates:
         if (home / "extensions" / "backends").is_dir():
@@ -64,6 +70,8 @@ def _engines(backends: Path):
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
+        if not isinstance(manifest, dict):
+            continue  # not a layout we know, as an unreadable one
         vendor = backends / "vendor"
         names = manifest.get("vendor_lib_package_names") or []
         layers = [vendor / n for n in names if isinstance(n, str)]

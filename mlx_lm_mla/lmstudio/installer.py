@@ -68,20 +68,39 @@ class Install:
                 f"{installer or 'an unknown installer'}, "
                 "not by `mlx-lm-mla lmstudio`; remove it with that tool"
             )
+        info = Path(self.dist._path).name  # this record's own dist-info folder
+        for f in self.dist.files:
+            own_record = f.as_posix() == f"{info}/RECORD"
+            if f.hash is None and not own_record:
+                raise Refused(
+                    f"the record of {NAME} in {site} lists {f} without a hash; "
+                    "not touching it"
+                )
+            if ".." in f.parts or not (
+                f.parts[0] in (PACKAGE, info) or f.as_posix() == PTH
+            ):
+                raise Refused(
+                    f"the record of {NAME} in {site} lists {f}, which is not "
+                    f"{NAME}'s ({PACKAGE}/, {PTH} or {info}/); not touching it"
+                )
         self.files = {site / f: f for f in self.dist.files}
 
     @property
     def version(self):
         return self.dist.version if self.dist else None
 
-    def mismatches(self):
-        """Files that differ from the record, or that the record does not list."""
+    def mismatches(self, missing=True):
+        """Files that differ from the record, or that the record does not list;
+        files only missing too, unless ``missing`` is false."""
         problems = []
         for path, f in self.files.items():
             if f.hash is None:
                 continue  # RECORD itself
             if not path.is_file():
-                problems.append(f"{f} is missing")
+                if path.exists() or path.is_symlink():
+                    problems.append(f"{f} is not a file")
+                elif missing:
+                    problems.append(f"{f} is missing")
             elif _digest(path.read_bytes()) != f"{f.hash.mode}={f.hash.value}":
                 problems.append(f"{f} was changed")
         modules = {p for p in self.files if p.suffix == ".py"}
@@ -98,7 +117,8 @@ class Install:
         return problems
 
     def check(self):
-        problems = self.mismatches()
+        # Files only missing are a cut-short install or uninstall: both finish it.
+        problems = self.mismatches(missing=False)
         if problems:
             raise Refused(
                 f"the files of {NAME} {self.version} in {self.site} do not match its "
@@ -138,6 +158,15 @@ def payload():
     return files
 
 
+def _parts(paths, site: Path):
+    """(the .pth, the rest, RECORD) of paths: install writes the activation last,
+    uninstall removes it first, so a cut-short run never leaves the .pth with half
+    a package; RECORD, which lists the rest, is the last file removed."""
+    pth = [p for p in paths if p == site / PTH]
+    record = [p for p in paths if p not in pth and p.name == "RECORD"]
+    return pth, [p for p in paths if p not in pth and p not in record], record
+
+
 def _writable(paths):
     for path in paths:
         if path.exists() and not os.access(
@@ -147,15 +176,16 @@ def _writable(paths):
 
 
 def _remove(path: Path):
-    path.unlink()
+    path.unlink(missing_ok=True)  # a cut-short uninstall left it out
     if path.suffix == ".py":
         for pyc in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
             pyc.unlink()
 
 
 def _prune(site: Path, folders):
-    # Deepest first; only folders left empty, never site-packages itself.
-    candidates = {f for p in folders for f in (p / "__pycache__", p)}
+    # Deepest first; only folders left empty, and only the package's own: never
+    # site-packages nor its __pycache__, which the layer had.
+    candidates = {f for p in folders if p != site for f in (p / "__pycache__", p)}
     for folder in sorted(candidates, key=lambda p: -len(p.parts)):
         if folder != site and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
@@ -175,7 +205,7 @@ def install_layer(layer: Path):
     new = payload()
     new_paths = {site / name: data for name, data in new.items()}
     unchanged = set(old.files) == set(new_paths) and all(
-        p.read_bytes() == data for p, data in new_paths.items()
+        p.is_file() and p.read_bytes() == data for p, data in new_paths.items()
     )
     if unchanged:
         same = f"{NAME} {__version__} already installed, nothing changed"
@@ -199,7 +229,9 @@ def install_layer(layer: Path):
         saved = {p: p.read_bytes() for p in old.files if p.is_file()}
         created = []
         try:
-            for path, data in new_paths.items():
+            pth, rest, record = _parts(new_paths, site)
+            for path in [*rest, *record, *pth]:
+                data = new_paths[path]
                 path.parent.mkdir(exist_ok=True)
                 if not path.exists():
                     created.append(path)
@@ -215,14 +247,18 @@ def install_layer(layer: Path):
             for path in set(old.files) - set(new_paths):
                 _remove(path)
             _prune(site, folders)
-        except OSError as e:
+        except BaseException as e:  # an interrupt too: never two records left
             for path in created:
                 path.unlink(missing_ok=True)
             for path, data in saved.items():
                 path.parent.mkdir(exist_ok=True)
                 path.write_bytes(data)
             _prune(site, folders)
-            raise Refused(f"writing into {site} failed ({e}); the layer is as it was")
+            if not isinstance(e, OSError):
+                raise
+            raise Refused(
+                f"writing into {site} failed ({e}); the layer is as it was"
+            ) from e
 
     message = f"{layer}: mlx-lm {found}; {done} ({len(new)} files); {RESTART}"
     return message, write
@@ -233,14 +269,15 @@ def uninstall_layer(layer: Path):
     if site is None:
         raise Refused(f"no lib/python3.*/site-packages in {layer}")
     old = Install(site)
-    if old.version is None:
+    if old.dist is None:
         return f"{layer}: {NAME} is not installed, nothing to remove", None
     old.check()
     folders = {p.parent for p in old.files}
     _writable([site, *folders, *old.files])
 
     def write():
-        for path in old.files:
+        pth, rest, record = _parts(old.files, site)
+        for path in [*pth, *rest, *record]:
             _remove(path)
         _prune(site, folders)
 
