@@ -68,7 +68,7 @@ class Install:
                 f"{installer or 'an unknown installer'}, "
                 "not by `mlx-lm-mla lmstudio`; remove it with that tool"
             )
-        info = Path(self.dist._path).name  # this record's own dist-info folder
+        info = f"{PACKAGE}-{self.dist.version}.dist-info"  # as payload() names it
         for f in self.dist.files:
             own_record = f.as_posix() == f"{info}/RECORD"
             if f.hash is None and not own_record:
