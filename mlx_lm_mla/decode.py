@@ -175,9 +175,11 @@ def attend(original, queries, latent, cache, scale, mask):
         if path is None:
             _CHOSEN[key], out = choose(key, paths)
             return out
-        _CHOSEN[key] = "stock" if path in _OFF.get(kind, ()) else path
-        log.info("MLA decode: %s serves %s (CPU rule)", _CHOSEN[key], _named(key))
-    path = _CHOSEN[key]
+        path = "stock" if path in _OFF.get(kind, ()) else path
+        _CHOSEN[key] = path
+        log.info("MLA decode: %s serves %s (CPU rule)", path, _named(key))
+    else:  # a local: another server's thread may turn a path off meanwhile
+        path = _CHOSEN.get(key, "stock")
     if path != "stock":
         try:
             return paths[path]()

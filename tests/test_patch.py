@@ -135,22 +135,33 @@ def test_server_patches_that_fail_are_taken_back_and_the_import_goes_on(
 ):
     import mlx_lm.server
 
-    mlx_lm_mla.install()
-    before, calls, apply = mlx_lm_mla.installed(), [], patches._apply
+    from mlx_lm_mla.patches import server as server_patches
 
-    def fails_at_the_fourth(patch, planned):
-        calls.append(patch)
-        if len(calls) == 4:
-            raise RuntimeError("a patch that cannot be applied")
+    def target(row):
+        path, _, name = row.target.rpartition(".")
+        return patches._owner(mlx_lm.server, path), name
+
+    rows = [r for r in server_patches.table() if r.module == mlx_lm.server.__name__]
+    stock_values = [vars(owner).get(name) for owner, name in map(target, rows)]
+    applied, apply = [], patches._apply
+
+    def fails_at_the_fourth_server_row(patch, planned):
+        if patch.module == mlx_lm.server.__name__:
+            applied.append(patch)
+            if len(applied) == 4:
+                raise RuntimeError("a patch that cannot be applied")
         apply(patch, planned)
 
-    monkeypatch.setattr(patches, "_server", [])
-    monkeypatch.setattr(patches, "_apply", fails_at_the_fourth)
+    monkeypatch.setattr(patches, "_apply", fails_at_the_fourth_server_row)
     with pytest.warns(RuntimeWarning, match="could not apply its mlx_lm.server"):
-        patches.server_imported(mlx_lm.server)
-    # The three it applied are taken back: the server runs as without them.
-    assert len(calls) == 4 and mlx_lm_mla.installed() == before
-    assert patches._server == []
+        mlx_lm_mla.install()  # mlx_lm.server is imported: its rows apply now
+    # The three it applied are taken back: the server is as published.
+    assert len(applied) == 4 and patches._server == []
+    assert [vars(owner).get(name) for owner, name in map(target, rows)] == (
+        stock_values
+    )
+    labels = {f"{r.module}.{r.target}" for r in server_patches.table()}
+    assert labels and not labels & set(mlx_lm_mla.installed())
 
 
 def test_a_patch_whose_module_is_gone_is_named_and_its_feature_switched_off(stock):
@@ -161,3 +172,20 @@ def test_a_patch_whose_module_is_gone_is_named_and_its_feature_switched_off(stoc
     patches.apply_table([gone])
     assert "mlx_lm.no_such_module.make" in patches.missing()
     assert "gone" in patches._off
+
+
+def test_an_install_that_fails_partway_takes_back_what_it_applied(stock, monkeypatch):
+    stock_attrs = dict(vars(upstream_cache.KVCache))
+    calls, apply = [], patches._apply
+
+    def fails_at_the_fifth(patch, planned):
+        calls.append(patch)
+        if len(calls) == 5:
+            raise RuntimeError("a patch that cannot be applied")
+        apply(patch, planned)
+
+    monkeypatch.setattr(patches, "_apply", fails_at_the_fifth)
+    with pytest.raises(RuntimeError, match="cannot be applied"):
+        mlx_lm_mla.install()
+    assert len(calls) == 5 and mlx_lm_mla.installed() == []
+    assert dict(vars(upstream_cache.KVCache)) == stock_attrs

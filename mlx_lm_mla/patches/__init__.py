@@ -105,9 +105,9 @@ def set_attr(owner, name, value, label=None, feature=None):
             else f"{owner.__module__}.{owner.__qualname__}"
         )
         label = f"{where}.{name}"
-    had = name in vars(owner)
-    _applied.append((owner, name, had, vars(owner).get(name), label, feature))
-    setattr(owner, name, value)
+    had, old = name in vars(owner), vars(owner).get(name)
+    setattr(owner, name, value)  # recorded once it holds: _undo takes back only that
+    _applied.append((owner, name, had, old, label, feature))
 
 
 def _owner(module, path):
@@ -144,7 +144,9 @@ def _plan(patch):
     label = f"{patch.module}.{patch.target}"
     try:
         module = importlib.import_module(patch.module)
-    except ImportError:  # an mlx-lm without that module
+    except ModuleNotFoundError as e:  # an mlx-lm without that module
+        if not f"{patch.module}.".startswith(f"{e.name}."):
+            raise  # a module it imports is missing: not mlx-lm's lack
         return label
     path, _, name = patch.target.rpartition(".")
     owner = _owner(module, path)
@@ -223,11 +225,11 @@ def server_imported(server):
     they fail, takes back what they applied and warns: the import goes on."""
     if not (_applied and hasattr(server, "main")) or _server:
         return
-    before = len(_applied)
+    before = (len(_applied), len(_rebound))
     try:
         _install_server(server)
     except Exception as e:
-        _undo(before)
+        _undo(*before)
         _server.clear()
         warnings.warn(
             f"mlx-lm-mla could not apply its mlx_lm.server patches "
@@ -239,8 +241,10 @@ def server_imported(server):
     _report()
 
 
-def _undo(keep):
-    """Takes back every change after the first ``keep``; their labels."""
+def _undo(keep, rebound):
+    """Takes back every change after the first ``keep`` (and forgets the
+    rebinds after the first ``rebound``); their labels."""
+    del _rebound[rebound:]
     restored = []
     while len(_applied) > keep:
         owner, name, had, old, label, _ = _applied.pop()
@@ -282,8 +286,14 @@ def install():
         return installed()
     from . import files, generate, models, quantize
 
-    apply_table([*quantize.table(), *models.table(), *files.table(), *generate.table()])
-    importhook.after_import(SERVER, server_imported)
+    try:
+        apply_table(
+            [*quantize.table(), *models.table(), *files.table(), *generate.table()]
+        )
+        importhook.after_import(SERVER, server_imported)
+    except Exception:  # none of it, rather than part: the caller warns
+        _undo(0, 0)
+        raise
     _report()
     return installed()
 
@@ -295,7 +305,7 @@ def uninstall():
 
     ATTENTION.clear()
     _FOUND.clear()
-    restored = _undo(0)
+    restored = _undo(0, len(_rebound))
     # Modules imported since (mlx_lm.server, chat, cache_prompt...) copied the
     # replacements by name: the latest first, each back to what it wrapped.
     for name, original, replacement in reversed(_rebound):
