@@ -530,11 +530,14 @@ def test_the_same_layer_given_twice_is_written_once(cli, tmp_path, monkeypatch):
     assert tree(layer) == before
 
 
-def test_a_manifest_that_is_not_an_object_is_skipped(cli, tmp_path):
+def test_a_manifest_in_a_layout_not_known_is_skipped(cli, tmp_path):
     backends = tmp_path / ".lmstudio" / "extensions" / "backends"
     layer = metadata_only_layer(backends / "vendor" / APP, metadata.version("mlx-lm"))
     write_json(backends / "odd-1.0" / "backend-manifest.json", [APP])
     write_json(backends / "odder-1.0" / "backend-manifest.json", APP)
+    for i, names in enumerate([7, APP]):  # its layers' names, not a list of them
+        manifest = {"name": f"odd{i}", "vendor_lib_package_names": names}
+        write_json(backends / f"oddest{i}-1.0" / "backend-manifest.json", manifest)
     write_json(
         backends / f"{ENGINE}-1.8.5" / "backend-manifest.json",
         {"name": ENGINE, "version": "1.8.5", "vendor_lib_package_names": [APP]},

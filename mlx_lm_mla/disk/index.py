@@ -114,6 +114,12 @@ def block_hashes(start, tokens):
     return out
 
 
+def read_only_uri(path):
+    """SQLite's URI opening ``path`` read-only, never creating it; quoted, as a
+    "?", "#" or "%xx" in a folder's name would name another file."""
+    return f"file:{quote(str(path))}?mode=ro"
+
+
 class Index:
     """The index of one folder, a connection per thread; the generation thread
     only reads, so a lookup never waits on a write beyond SQLite's short locks."""
@@ -129,7 +135,7 @@ class Index:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(
-                f"file:{quote(self.path)}?mode=ro" if self.read_only else self.path,
+                read_only_uri(self.path) if self.read_only else self.path,
                 uri=self.read_only,
                 timeout=self.timeout,
                 isolation_level=None,

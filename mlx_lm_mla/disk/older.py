@@ -10,8 +10,8 @@ import os
 import re
 import sqlite3
 from pathlib import Path
-from urllib.parse import quote
 
+from .index import read_only_uri
 from .folder import (
     INDEX,
     MARKER,
@@ -51,8 +51,7 @@ def first_layout(directory):
     if not is_regular(index):
         return []
     try:
-        # Quoted: a "?", "#" or "%xx" in DIR would name another file.
-        db = sqlite3.connect(f"file:{quote(str(index))}?mode=ro", uri=True)
+        db = sqlite3.connect(read_only_uri(index), uri=True)
         try:
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
             columns = {r[1] for r in db.execute("PRAGMA table_info(entries)")}

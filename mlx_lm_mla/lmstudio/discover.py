@@ -73,7 +73,8 @@ def _engines(backends: Path):
         if not isinstance(manifest, dict):
             continue  # not a layout we know, as an unreadable one
         vendor = backends / "vendor"
-        names = manifest.get("vendor_lib_package_names") or []
+        names = manifest.get("vendor_lib_package_names")
+        names = names if isinstance(names, list) else []  # a layout we do not know
         layers = [vendor / n for n in names if isinstance(n, str)]
         # A name is data from a package: only folders inside vendor/ are layers.
         layers = [p for p in layers if p.resolve().is_relative_to(vendor.resolve())]
