@@ -72,25 +72,31 @@ def outcomes(name, tests, work, files, tree=None, active=False):
     }
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    ran = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--continue-on-collection-errors",
-            f"--junitxml={report}",
-            *files,
-        ],
-        cwd=tests,
-        env=env,
-        timeout=1800,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    try:
+        ran = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--continue-on-collection-errors",
+                f"--junitxml={report}",
+                *files,
+            ],
+            cwd=tests,
+            env=env,
+            timeout=1800,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    except subprocess.TimeoutExpired as e:  # what it printed, then the failure
+        out = e.output or b""  # bytes, whatever text=True asked
+        with PRINTING:
+            print(f"--- {name}: timed out", out.decode(errors="replace"), sep="\n")
+        raise
     with PRINTING:
         print(f"--- {name}: mlx-lm's tests {' '.join(files)}", ran.stdout, sep="\n")
     result = {}
