@@ -420,13 +420,13 @@ def where_modes_hold(run):
     out = {}
 
     def thread():
-        libc = ctypes.CDLL(None, use_errno=True)
-        header = (ctypes.c_uint32 * 2)(_CAPABILITIES, 0)  # 0: this thread
-        data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice
-        assert libc.capget(header, data) == 0, os.strerror(ctypes.get_errno())
-        data[0] &= ~_OVERRIDES
-        assert libc.capset(header, data) == 0, os.strerror(ctypes.get_errno())
-        try:
+        try:  # a failure here too is the caller's, raised below
+            libc = ctypes.CDLL(None, use_errno=True)
+            header = (ctypes.c_uint32 * 2)(_CAPABILITIES, 0)  # 0: this thread
+            data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice
+            assert libc.capget(header, data) == 0, os.strerror(ctypes.get_errno())
+            data[0] &= ~_OVERRIDES
+            assert libc.capset(header, data) == 0, os.strerror(ctypes.get_errno())
             out["value"] = run()
         except BaseException as e:
             out["error"] = e
