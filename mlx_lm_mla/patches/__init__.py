@@ -211,15 +211,6 @@ def apply_table(rows):
             _apply(patch, found)
 
 
-def _install_server(server):
-    if _server:
-        return
-    from . import server as server_patches
-
-    _server.append(server)
-    apply_table(server_patches.table())
-
-
 def server_imported(server):
     """Applies the server's patches as ``mlx_lm.server`` is imported; where
     they fail, takes back what they applied and warns: the import goes on."""
@@ -227,7 +218,10 @@ def server_imported(server):
         return
     before = (len(_applied), len(_rebound))
     try:
-        _install_server(server)
+        from . import server as server_patches
+
+        _server.append(server)
+        apply_table(server_patches.table())
     except Exception as e:
         _undo(*before)
         _server.clear()
