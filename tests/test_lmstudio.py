@@ -671,44 +671,43 @@ def test_a_home_pointer_holding_a_nul_is_refused_naming_it(cli, tmp_path):
     assert f"{tmp_path / '.lmstudio-home-pointer'} holds a NUL byte" in err
 
 
-def test_a_record_row_without_a_hash_is_refused_and_nothing_deleted(cli, tmp_path):
-    layer = small_layer(tmp_path)
-    assert cli("install", "--layer", str(layer))[0] == 0
+def refused_with_row(cli, layer, row, said):
+    """``row`` added to the record of an install in ``layer``: uninstall and
+    install both refuse, saying ``said``, and the layer is left as it was."""
     with record_of(layer).open("a") as record:
-        record.write("mlx_lm/__init__.py,,\n")  # the layer's own mlx_lm
+        record.write(row + "\n")
     before = tree(layer)
     for command in ("uninstall", "install"):
         code, _, err = cli(command, "--layer", str(layer))
         assert code == 1 and "nothing written" in err
-        assert "lists mlx_lm/__init__.py without a hash" in err
+        assert said in err
     assert tree(layer) == before
+
+
+def installed_layer(cli, tmp_path):
+    layer = small_layer(tmp_path)
+    assert cli("install", "--layer", str(layer))[0] == 0
+    return layer
+
+
+def test_a_record_row_without_a_hash_is_refused_and_nothing_deleted(cli, tmp_path):
+    layer = installed_layer(cli, tmp_path)
+    said = "lists mlx_lm/__init__.py without a hash"
+    refused_with_row(cli, layer, "mlx_lm/__init__.py,,", said)  # the layer's own
 
 
 def test_a_record_row_outside_the_package_is_refused_and_nothing_deleted(cli, tmp_path):
-    layer = small_layer(tmp_path)
-    assert cli("install", "--layer", str(layer))[0] == 0
+    layer = installed_layer(cli, tmp_path)
     theirs = (site(layer) / "mlx_lm" / "__init__.py").read_bytes()
-    with record_of(layer).open("a") as record:
-        record.write(f"mlx_lm/__init__.py,{installer._digest(theirs)},{len(theirs)}\n")
-    before = tree(layer)
-    for command in ("uninstall", "install"):
-        code, _, err = cli(command, "--layer", str(layer))
-        assert code == 1 and "nothing written" in err
-        assert "lists mlx_lm/__init__.py, which is not mlx-lm-mla's" in err
-    assert tree(layer) == before
+    row = f"mlx_lm/__init__.py,{installer._digest(theirs)},{len(theirs)}"
+    said = "lists mlx_lm/__init__.py, which is not mlx-lm-mla's"
+    refused_with_row(cli, layer, row, said)
 
 
 def test_a_record_row_naming_a_folder_is_refused_and_nothing_deleted(cli, tmp_path):
-    layer = small_layer(tmp_path)
-    assert cli("install", "--layer", str(layer))[0] == 0
-    with record_of(layer).open("a") as record:
-        record.write(f"mlx_lm_mla/lmstudio,{installer._digest(b'')},0\n")
-    before = tree(layer)
-    for command in ("uninstall", "install"):
-        code, _, err = cli(command, "--layer", str(layer))
-        assert code == 1 and "nothing written" in err
-        assert "mlx_lm_mla/lmstudio is not a file" in err
-    assert tree(layer) == before
+    layer = installed_layer(cli, tmp_path)
+    row = f"mlx_lm_mla/lmstudio,{installer._digest(b'')},0"
+    refused_with_row(cli, layer, row, "mlx_lm_mla/lmstudio is not a file")
 
 
 # --- the README ---------------------------------------------------------------------------

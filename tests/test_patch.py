@@ -130,6 +130,22 @@ def test_uninstall_restores_what_a_module_imported_since_copied(stock, monkeypat
     assert "mlx_lm._imported_since.make_prompt_cache" in restored
 
 
+def apply_failing_at(monkeypatch, n, module=None):
+    """Patches apply until the ``n``-th (of ``module``'s rows, if given),
+    which raises; returns the rows counted."""
+    counted, apply = [], patches._apply
+
+    def failing(patch, planned):
+        if module is None or patch.module == module:
+            counted.append(patch)
+            if len(counted) == n:
+                raise RuntimeError("a patch that cannot be applied")
+        apply(patch, planned)
+
+    monkeypatch.setattr(patches, "_apply", failing)
+    return counted
+
+
 def test_server_patches_that_fail_are_taken_back_and_the_import_goes_on(
     stock, monkeypatch
 ):
@@ -143,16 +159,7 @@ def test_server_patches_that_fail_are_taken_back_and_the_import_goes_on(
 
     rows = [r for r in server_patches.table() if r.module == mlx_lm.server.__name__]
     stock_values = [vars(owner).get(name) for owner, name in map(target, rows)]
-    applied, apply = [], patches._apply
-
-    def fails_at_the_fourth_server_row(patch, planned):
-        if patch.module == mlx_lm.server.__name__:
-            applied.append(patch)
-            if len(applied) == 4:
-                raise RuntimeError("a patch that cannot be applied")
-        apply(patch, planned)
-
-    monkeypatch.setattr(patches, "_apply", fails_at_the_fourth_server_row)
+    applied = apply_failing_at(monkeypatch, 4, module=mlx_lm.server.__name__)
     with pytest.warns(RuntimeWarning, match="could not apply its mlx_lm.server"):
         mlx_lm_mla.install()  # mlx_lm.server is imported: its rows apply now
     # The three it applied are taken back: the server is as published.
@@ -176,15 +183,7 @@ def test_a_patch_whose_module_is_gone_is_named_and_its_feature_switched_off(stoc
 
 def test_an_install_that_fails_partway_takes_back_what_it_applied(stock, monkeypatch):
     stock_attrs = dict(vars(upstream_cache.KVCache))
-    calls, apply = [], patches._apply
-
-    def fails_at_the_fifth(patch, planned):
-        calls.append(patch)
-        if len(calls) == 5:
-            raise RuntimeError("a patch that cannot be applied")
-        apply(patch, planned)
-
-    monkeypatch.setattr(patches, "_apply", fails_at_the_fifth)
+    calls = apply_failing_at(monkeypatch, 5)
     with pytest.raises(RuntimeError, match="cannot be applied"):
         mlx_lm_mla.install()
     assert len(calls) == 5 and mlx_lm_mla.installed() == []
