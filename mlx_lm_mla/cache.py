@@ -550,8 +550,15 @@ def quantize_latent(cache, group_size: int = 64, bits: int = 4, like=None):
             f"groups of {group_size}: keys {getattr(keys, 'shape', None)}, values "
             f"{getattr(values, 'shape', None)} (expected one head)"
         )
+    before = type(cache)
     _retype(cache, target)
     d, rd = (str(x.dtype).rsplit(".", 1)[-1] for x in (keys, values))
-    cache._set_format(group_size, bits, keys.shape[-1], d, values.shape[-1], rd)
-    cache.keys, cache.values = cache._encode(keys, values)
+    try:
+        cache._set_format(group_size, bits, keys.shape[-1], d, values.shape[-1], rd)
+        cache.keys, cache.values = cache._encode(keys, values)
+    except BaseException:
+        # Settings mx.quantize refuses (bits=7) leave the cache as it was.
+        _drop_format(cache)
+        _retype(cache, before)
+        raise
     return cache

@@ -133,6 +133,15 @@ def test_quantize_latent_refuses_what_it_cannot_quantize(installed):
         quantize_latent(empty)
 
 
+def test_settings_mx_quantize_refuses_leave_the_cache_as_it_was(installed):
+    cache, (latent, rope) = filled(KVCache(), 10)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_latent(cache, 64, 7)
+    assert type(cache) is KVCache and not hasattr(cache, "latent_bits")
+    got_latent, _ = cache.update_and_fetch(*rows(1, seed=3))
+    assert mx.array_equal(got_latent[:, :, :10], latent)
+
+
 def test_a_rotating_window_quantizes_in_place_and_stays_bounded(installed):
     cache = RotatingKVCache(max_size=16, keep=4)
     cache.update_and_fetch(*rows(10))
