@@ -36,15 +36,16 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {  # name: (label, bits of the latent)
-    "stock": ("stock bf16", None),
-    "ours": ("bf16", None),
+VARIANTS = {  # name: (label, bits of the latent); {dtype}: the cache's own
+    "stock": ("stock {dtype}", None),
+    "ours": ("{dtype}", None),
     "ours8": ("8-bit", 8),
     "ours4": ("4-bit", 4),
-    "portable": ("bf16, no kernel", None),
+    "portable": ("{dtype}, no kernel", None),
     "portable8": ("8-bit, no kernel", 8),
     "portable4": ("4-bit, no kernel", 4),
 }
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # GLM-4.7-Flash's attention (its config.json); the rest of the model is small.
 GLM_4_7_FLASH = dict(
     kv_lora_rank=512,
@@ -78,6 +79,11 @@ def use_decode(variant):
     else:
         mlx_lm_mla.install()
     decode_cuda.ENABLED = _KERNEL[0] and not variant.startswith("portable")
+
+
+def label(variant, dtype="bf16"):
+    """The variant's name in tables, for a cache of ``dtype`` (short name)."""
+    return VARIANTS[variant][0].format(dtype=dtype)
 
 
 def offered_variants():
@@ -171,15 +177,42 @@ def check_args(p, args):
         )
     if args.plot is not None:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.figure import Figure
         except ImportError:
             p.error(
                 "--plot needs matplotlib, which is not installed: "
                 "pip install 'mlx-lm-mla[plot]' (or pip install matplotlib)"
             )
-    for path in (args.json, args.plot):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            p.error(f"{path}: its folder does not exist")
+        kinds = Figure().canvas.get_supported_filetypes()
+        if Path(args.plot).suffix[1:].lower() not in kinds:
+            p.error(
+                f"--plot {args.plot}: name a file ending in one of matplotlib's "
+                f"formats ({', '.join('.' + k for k in sorted(kinds))})"
+            )
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            problem = unwritable(path)
+            if problem:
+                p.error(f"{flag} {path}: {problem}")
+
+
+def unwritable(path):
+    """Why ``path`` cannot be written, or None: tried by opening it, as the
+    write after the runs will (a file this makes is removed again)."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder"
+    if not path.resolve().parent.is_dir():
+        return "its folder does not exist"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        path.unlink()
+    return None
 
 
 def load_model(args):
@@ -204,8 +237,14 @@ def load_model(args):
     else:
         import mlx_lm
 
-        model, _ = mlx_lm.load(args.model)
-        config = json.loads(Path(args.model, "config.json").read_text())
+        try:
+            model, _ = mlx_lm.load(args.model)
+            config = json.loads(Path(args.model, "config.json").read_text())
+        except Exception as e:  # whatever mlx_lm.load finds wrong with the folder
+            raise SystemExit(
+                f"mlx-lm-mla bench: --model {args.model}: mlx_lm.load cannot "
+                f"load it: {type(e).__name__}: {e}"
+            )
         about = {"model": str(Path(args.model).resolve())}
     if not mla.has_latent_attention(model):
         raise SystemExit(
@@ -226,11 +265,11 @@ def filled_cache(model, context, batch, bits):
     from mlx_lm_mla.mla import leaves
 
     cache = make_prompt_cache(model)
-    prompt = [[(7 * b + i) % 240 + 10 for i in range(PROMPT)] for b in range(batch)]
+    done = min(PROMPT, context)  # a shorter context is the prompt alone
+    prompt = [[(7 * b + i) % 240 + 10 for i in range(done)] for b in range(batch)]
     mx.eval(model(mx.array(prompt), cache=cache))
     grown = [c for c in leaves(cache) if _positions(c) is not None]
     blocks = {}  # one random block per shape, written again and again
-    done = min(PROMPT, context)
     while done < context:
         n = min(FILL_STEP, context - done)
         for c in grown:
@@ -247,6 +286,20 @@ def filled_cache(model, context, batch, bits):
         maybe_quantize_kv_cache(cache, 0, GROUP_SIZE, bits)
         mx.eval([c.state for c in leaves(cache)])
     return cache
+
+
+def model_dtype(model):
+    """The dtype the model's cache holds, as a one-token prompt writes it (it
+    follows the model's weights: a float32 model writes a float32 latent)."""
+    from mlx_lm_mla.mla import leaves
+
+    grown = [c for c in leaves(filled_cache(model, 1, 1, None)) if _positions(c)]
+    return grown[0].keys.dtype
+
+
+def short_name(dtype):
+    name = str(dtype).rsplit(".", 1)[-1]
+    return DTYPES.get(name, name)
 
 
 def _positions(c):
@@ -317,6 +370,11 @@ def mla_layer(model):
     raise ValueError("the model has no MLA layer")
 
 
+def head_count(attention):
+    # LongCat's MLA module names it num_attention_heads, the others num_heads.
+    return getattr(attention, "num_heads", None) or attention.num_attention_heads
+
+
 def run_attention(model, args, context, batch, variant):
     """One repetition of one layer's decode attention alone: ms per call (its
     ``update_and_fetch``, the RoPE-key scores, the module's attention)."""
@@ -329,12 +387,13 @@ def run_attention(model, args, context, batch, variant):
     ).scaled_dot_product_attention
     cache = filled_cache(model, context, batch, VARIANTS[variant][1])[index]
     cache = cache if member is None else cache[member]
-    heads, width = attention.num_heads, attention.kv_lora_rank
-    rope_width = attention.qk_rope_head_dim
-    q = mx.random.normal((batch, heads, 1, width)).astype(mx.bfloat16)
-    q_pe = mx.random.normal((batch, heads, 1, rope_width)).astype(mx.bfloat16)
-    latent = mx.random.normal((batch, 1, 1, width)).astype(mx.bfloat16)
-    rope = mx.random.normal((batch, 1, 1, rope_width)).astype(mx.bfloat16)
+    heads = head_count(attention)
+    width, rope_width = attention.kv_lora_rank, attention.qk_rope_head_dim
+    dtype = model_dtype(model)  # the queries' dtype, as the model makes them
+    q = mx.random.normal((batch, heads, 1, width)).astype(dtype)
+    q_pe = mx.random.normal((batch, heads, 1, rope_width)).astype(dtype)
+    latent = mx.random.normal((batch, 1, 1, width)).astype(dtype)
+    rope = mx.random.normal((batch, 1, 1, rope_width)).astype(dtype)
     mx.eval(q, q_pe, latent, rope)
     times = []
     for i in range(args.attention_calls + 1):
@@ -395,6 +454,7 @@ def run(args):
         args.mla_layer = mla_layer(model)
         kinds.append(("attention", run_attention))
     here = device()
+    dtype = short_name(model_dtype(model))
     print(
         f"{about['model']}, {layers} layers; device {here['name']}; "
         f"load average {load_at_start}",
@@ -414,7 +474,7 @@ def run(args):
     bar = progress(len(jobs))
     try:
         for kind, fn, context, batch, rep, v in jobs:
-            bar.set_postfix_str(f"{kind} {context:,} x{batch} {VARIANTS[v][0]}")
+            bar.set_postfix_str(f"{kind} {context:,} x{batch} {label(v, dtype)}")
             found = fn(model, args, context, batch, v)
             repetitions.append(
                 dict(
@@ -433,13 +493,13 @@ def run(args):
         "git": git_state(),
         "settings": settings(),
         "args": args_out,
-        "model": dict(about, layers=layers),
+        "model": dict(about, layers=layers, cache_dtype=dtype),
         "load_average_1min_at_start": load_at_start,
         "load_average_1min_at_end": load_average(),
         "seconds": round(time.perf_counter() - started, 1),
-        "decode_rows": decode_rows(repetitions, args.variants, layers),
+        "decode_rows": decode_rows(repetitions, args.variants, layers, dtype),
         "attention_rows": attention_rows(
-            repetitions, args.variants, here["peak_gb_per_s"]
+            repetitions, args.variants, here["peak_gb_per_s"], dtype
         ),
         "repetitions": repetitions,
     }
@@ -454,7 +514,7 @@ def _groups(repetitions, kind):
     return groups
 
 
-def decode_rows(repetitions, variants, layers):
+def decode_rows(repetitions, variants, layers, dtype="bf16"):
     rows = []
     for (context, batch), runs in _groups(repetitions, "decode").items():
         base = statistics.median(r["tokens_per_s"] for r in runs["stock"])
@@ -466,7 +526,7 @@ def decode_rows(repetitions, variants, layers):
                     context=context,
                     batch=batch,
                     variant=v,
-                    label=VARIANTS[v][0],
+                    label=label(v, dtype),
                     tokens_per_s=speed,
                     ratio=speed / base,
                     cache_gb_per_s=runs[v][0]["cache_bytes"] / step / 1e9,
@@ -481,7 +541,7 @@ def decode_rows(repetitions, variants, layers):
     return rows
 
 
-def attention_rows(repetitions, variants, peak_gb_per_s=None):
+def attention_rows(repetitions, variants, peak_gb_per_s=None, dtype="bf16"):
     """Per context, batch and variant: the median ms, its ratio to stock's, and
     the cache's GB/s, with its share of the memory's peak where known."""
     rows = []
@@ -495,7 +555,7 @@ def attention_rows(repetitions, variants, peak_gb_per_s=None):
                     context=context,
                     batch=batch,
                     variant=v,
-                    label=VARIANTS[v][0],
+                    label=label(v, dtype),
                     ms=ms,
                     speed=base / ms,
                     floor_mb=floor / 1e6,
@@ -588,13 +648,13 @@ def plot(rows, path):
         1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False
     )
     for ax, batch in zip(axes[0], batches):
-        for label in dict.fromkeys(r["label"] for r in rows):
-            mine = [r for r in rows if r["batch"] == batch and r["label"] == label]
+        for name in dict.fromkeys(r["label"] for r in rows):
+            mine = [r for r in rows if r["batch"] == batch and r["label"] == name]
             ax.plot(
                 [r["context"] for r in mine],
                 [r["tokens_per_s"] for r in mine],
                 marker="o",
-                label=label,
+                label=name,
             )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (cached positions)")

@@ -15,7 +15,7 @@ import mlx_lm
 import pytest
 
 import mlx_lm_mla
-from mlx_lm_mla import bench
+from mlx_lm_mla import bench, mla, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--contexts", "256", "--batch", "1", "--repeats", "1"]
@@ -55,7 +55,7 @@ def printed_rows(stdout):
 
 
 def labels():
-    return [bench.VARIANTS[v][0] for v in bench.offered_variants()]
+    return [bench.label(v) for v in bench.offered_variants()]
 
 
 def test_the_table_has_a_row_per_variant_and_the_promised_columns(ran):
@@ -250,3 +250,70 @@ def test_the_settings_a_run_measured_under_are_in_its_command(monkeypatch):
 
 def test_a_run_without_settings_records_the_plain_command(ran):
     assert ran[1]["settings"] == {} and ran[1]["command"].startswith("mlx-lm-mla")
+
+
+def test_a_json_path_that_is_a_folder_is_refused_before_any_run(tmp_path):
+    out = command(*SMALL, "--json", tmp_path)
+    assert out.returncode == 2
+    assert f"--json {tmp_path}: is a folder" in out.stderr and out.stdout == ""
+
+
+def test_trying_a_new_output_path_leaves_no_file_behind(tmp_path):
+    assert bench.unwritable(tmp_path / "new.json") is None
+    assert not (tmp_path / "new.json").exists()
+    kept = tmp_path / "kept.json"
+    kept.write_text("earlier run")
+    assert bench.unwritable(kept) is None and kept.read_text() == "earlier run"
+
+
+def test_a_plot_name_matplotlib_cannot_write_is_refused_before_any_run(tmp_path):
+    stand_in = tmp_path / "stand_in" / "matplotlib"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text("")
+    (stand_in / "figure.py").write_text(
+        "class Figure:\n"
+        "    class canvas:\n"
+        "        get_supported_filetypes = staticmethod(\n"
+        "            lambda: {'png': 'Portable Network Graphics', 'pdf': 'PDF'})\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(stand_in.parent))
+    for name in ("speed.xyz", "speed"):
+        out = command(*SMALL, "--plot", tmp_path / name, env=env)
+        assert out.returncode == 2, out.stderr
+        assert "one of matplotlib's formats (.pdf, .png)" in out.stderr
+        assert out.stdout == ""
+
+
+def test_a_model_folder_mlx_lm_cannot_load_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "glm4_moe_lite"')
+    out = command(*SMALL, "--model", tmp_path)
+    assert out.returncode == 1
+    assert f"--model {tmp_path}: mlx_lm.load cannot load it" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("context", [1, 4, bench.PROMPT, bench.PROMPT + 3])
+def test_a_context_holds_that_many_positions_even_below_the_prompt(context):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    cache = bench.filled_cache(model, context, 1, None)
+    assert {c.offset for c in cache} == {context}
+
+
+def test_rows_name_the_dtype_the_models_cache_holds():
+    model, _ = tiny.build_model("glm4_moe_lite", dtype=mx.float32)
+    dtype = bench.short_name(bench.model_dtype(model))
+    reps = [
+        dict(kind="decode", context=8, batch=1, variant=v, tokens_per_s=1.0)
+        | dict(step_s=1.0, transient_bytes=0, cache_bytes=1)
+        for v in ("stock", "ours", "ours4")
+    ]
+    rows = bench.decode_rows(reps, ["stock", "ours", "ours4"], 1, dtype)
+    assert [r["label"] for r in rows] == ["stock fp32", "fp32", "4-bit"]
+
+
+@pytest.mark.parametrize("model_type", sorted(mla.installed_model_types()))
+def test_the_head_count_of_every_mla_attention_is_read(model_type):
+    model, config = tiny.build_model(model_type)
+    _, attention, _ = bench.mla_layer(model)
+    text = config.get("text_config", config)
+    assert bench.head_count(attention) == text["num_attention_heads"]
