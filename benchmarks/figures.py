@@ -467,6 +467,8 @@ def main(argv=None):
             if args.path
             else ROOT / "benchmarks" / "results" / f"{args.name}.json"
         )
+        if not source.is_file():
+            p.error(f"keep {args.name}: no run to keep at {source}")
         FIGURES.mkdir(exist_ok=True)
         shutil.copyfile(source, FIGURES / f"{args.name}.json")
         return

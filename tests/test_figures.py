@@ -60,3 +60,11 @@ def test_a_gpu_runs_attention_table_gives_its_share_of_peak_and_fine_times():
 def test_a_run_without_a_known_peak_has_no_share_column():
     text = figures.decode_speed(attention_run(None, 12.34), "attention")
     assert "% of peak" not in text and "| 12.3 |" in text
+
+
+def test_keeping_a_run_that_is_not_there_is_refused_by_name(tmp_path, capsys):
+    missing = tmp_path / "no_run.json"
+    with pytest.raises(SystemExit) as exit:
+        figures.main(["keep", "cpu_rule", str(missing)])
+    assert exit.value.code == 2
+    assert f"no run to keep at {missing}" in capsys.readouterr().err
