@@ -1,13 +1,18 @@
 """Guards on the cross-request path (LRUPromptCache), for any model type."""
 
+import os
+import resource
+import socket
 from argparse import Namespace
 from queue import Queue
 
 import mlx.core as mx
+import pytest
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.server import ResponseGenerator
 
+from mlx_lm_mla.guards import cancellation
 from mlx_lm_mla.guards.recovery import TRIES
 from mlx_lm_mla.guards.reuse import cache_problem
 
@@ -174,3 +179,40 @@ def test_a_no_store_request_s_tokens_neither_fetch_nor_store(installed):
     key.append(41)
     store.insert_cache("m", key, latent_cache(len(key)))
     assert len(store) == 1 and store.fetch_nearest_cache("m", list(key))[1] == [40, 41]
+
+
+def _socket_at(fd_number, sock):
+    """A socket for ``sock``'s connection at descriptor ``fd_number``."""
+    os.dup2(sock.fileno(), fd_number)
+    return socket.socket(fileno=fd_number)
+
+
+def _open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def high_descriptors():
+    # Descriptors from 1024 on: a busy server with a raised ulimit -n has them.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    yield next(fd for fd in range(1500, 2048) if not _open(fd))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_client_at_a_descriptor_above_1024_is_not_taken_for_gone(high_descriptors):
+    ours, peer = socket.socketpair()
+    with ours, peer, _socket_at(high_descriptors, ours) as watched:
+        assert not cancellation._closed(watched)
+
+
+def test_a_client_at_a_descriptor_above_1024_that_leaves_is_gone(high_descriptors):
+    ours, peer = socket.socketpair()
+    with ours, _socket_at(high_descriptors, ours) as watched:
+        peer.close()
+        assert cancellation._closed(watched)

@@ -4,7 +4,7 @@ its ``RequestState``; the generation thread ends it at its next reply
 """
 
 import logging
-import select
+import selectors
 import socket
 import threading
 
@@ -33,15 +33,20 @@ def _name(handler):
 
 def _closed(connection) -> bool:
     """Whether the peer closed ``connection`` (not if it sent more: pipelined)."""
+    if connection.fileno() < 0:  # closed on our side
+        return True
     try:
-        readable, _, _ = select.select([connection], [], [], POLL)
+        # A selector, not select.select: that refuses descriptors from 1024 on.
+        with selectors.DefaultSelector() as selector:
+            selector.register(connection, selectors.EVENT_READ)
+            readable = selector.select(POLL)
         return (
             bool(readable)
             and connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         )
     except BlockingIOError:
         return False
-    except (OSError, ValueError):  # reset, or closed on our side
+    except OSError:  # reset
         return True
 
 
