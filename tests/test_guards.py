@@ -216,3 +216,31 @@ def test_a_client_at_a_descriptor_above_1024_that_leaves_is_gone(high_descriptor
     with ours, _socket_at(high_descriptors, ours) as watched:
         peer.close()
         assert cancellation._closed(watched)
+
+
+def _draft_lagging(tokens, main_lag, draft_lag):
+    # Two layers of the model's, then one of a draft model's.
+    return [
+        latent_kv(tokens - main_lag),
+        latent_kv(tokens - main_lag),
+        latent_kv(tokens - draft_lag),
+    ]
+
+
+def test_a_draft_models_cache_may_be_a_token_behind(installed):
+    assert cache_problem(_draft_lagging(6, 0, 1), 6, main=2) is None
+
+
+def test_a_draft_models_cache_two_tokens_behind_is_refused(installed):
+    problem = cache_problem(_draft_lagging(6, 0, 2), 6, main=2)
+    assert problem == "layer 2: KVCache holds 4 tokens, expected 6"
+
+
+def test_the_models_own_cache_may_not_be_behind_where_it_drafts(installed):
+    problem = cache_problem(_draft_lagging(6, 1, 1), 6, main=2)
+    assert problem == "layer 0: KVCache holds 5 tokens, expected 6"
+
+
+def test_without_a_draft_model_every_cache_holds_every_token(installed):
+    problem = cache_problem(_draft_lagging(6, 0, 1), 6)
+    assert problem == "layer 2: KVCache holds 5 tokens, expected 6"

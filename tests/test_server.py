@@ -573,3 +573,14 @@ def test_a_request_served_alone_whose_client_leaves_stops(model_path, tmp_path):
         r"cancelled the request \S+ from \S+ after (\d+) tokens", log.read_text()
     )
     assert len(cancelled) == 1 and int(cancelled[0]) < 2000 and text
+
+
+def test_a_drafting_server_reuses_its_prompt_cache_as_stock_does(model_path):
+    # Speculative decoding leaves the draft model's caches a token behind.
+    drafting = ("--draft-model", model_path, "--num-draft-tokens", 3)
+    cached = {}
+    for disabled in (True, False):
+        with Server(model_path, *drafting, disabled=disabled) as server:
+            usages = [server.chat(SYSTEM, max_tokens=10)[1] for _ in range(3)]
+        cached[disabled] = [cached_tokens(u) for u in usages]
+    assert cached[False] == cached[True] and cached[False][1] > 0

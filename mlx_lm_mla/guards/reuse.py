@@ -38,37 +38,61 @@ def no_store_tokenize(original):
     return _tokenize
 
 
-def cache_problem(caches, length):
+def main_layers(model_key):
+    """How many entries of a cache list the served model's own are, where the
+    server drafts (stock appends the draft model's caches and splits the list
+    at the model's layer count), or None: every entry is the model's."""
+    server = served.current()
+    provider = getattr(server, "provider", None)
+    if getattr(provider, "draft_model", None) is None:
+        return None
+    if provider.model_key != model_key:
+        return None
+    return len(provider.model.layers)
+
+
+def cache_problem(caches, length, main=None):
     """Why a prompt cache does not hold exactly ``length`` tokens, or None. Only
-    mlx-lm's cache classes must have a state of arrays: others define their own."""
+    mlx-lm's cache classes must have a state of arrays: others define their own.
+    Entries from ``main`` on are a draft model's: speculative decoding leaves
+    them one token behind, which costs drafting, never a wrong token."""
+    if not isinstance(caches, (list, tuple)) or not caches:
+        return f"not a list of layer caches: {type(caches).__name__}"
+    i = 0
+    for n, entry in enumerate(caches):
+        draft = main is not None and n >= main
+        for c in leaves([entry]):
+            problem = _layer_problem(c, length, draft)
+            if problem:
+                return f"layer {i}: {problem}"
+            i += 1
+    return None
+
+
+def _layer_problem(c, length, draft):
     import mlx.core as mx
     import mlx_lm.models.cache as cache_module
     from mlx.utils import tree_flatten
 
-    if not isinstance(caches, (list, tuple)) or not caches:
-        return f"not a list of layer caches: {type(caches).__name__}"
-    for i, c in enumerate(leaves(caches)):
-        name = type(c).__name__
-        offset = getattr(c, "offset", None)
-        if isinstance(offset, int) and offset != length:
-            return f"layer {i}: {name} holds {offset} tokens, expected {length}"
-        if getattr(cache_module, name, None) is not type(c):
-            continue
-        try:
-            state = c.state
-        except Exception as e:
-            return f"layer {i}: {name}.state fails: {e!r}"
-        for key, leaf in tree_flatten(state):
-            if not isinstance(leaf, (mx.array, int, float, str, type(None))):
-                return f"layer {i}: {name}.state[{key}] is a {type(leaf).__name__}"
-        # Only a quantized cache (one with bits) may keep lists of arrays.
-        for field in ("keys", "values"):
-            value = getattr(c, field, None)
-            if not hasattr(c, "bits") and not isinstance(value, (mx.array, type(None))):
-                return (
-                    f"layer {i}: {name}.{field} is a {type(value).__name__}, "
-                    "not an array"
-                )
+    name = type(c).__name__
+    offset = getattr(c, "offset", None)
+    if isinstance(offset, int) and offset != length:
+        if not (draft and offset == length - 1):
+            return f"{name} holds {offset} tokens, expected {length}"
+    if getattr(cache_module, name, None) is not type(c):
+        return None
+    try:
+        state = c.state
+    except Exception as e:
+        return f"{name}.state fails: {e!r}"
+    for key, leaf in tree_flatten(state):
+        if not isinstance(leaf, (mx.array, int, float, str, type(None))):
+            return f"{name}.state[{key}] is a {type(leaf).__name__}"
+    # Only a quantized cache (one with bits) may keep lists of arrays.
+    for field in ("keys", "values"):
+        value = getattr(c, field, None)
+        if not hasattr(c, "bits") and not isinstance(value, (mx.array, type(None))):
+            return f"{name}.{field} is a {type(value).__name__}, not an array"
     return None
 
 
@@ -93,9 +117,10 @@ def guarded_fetch(original):
             for k in (found.exact, found.longer, found.shorter)
             if k is not None
         }
+        main = main_layers(model)
         for key in map(list, keys):
             entry = self._trie.get(model, key)
-            problem = cache_problem(entry.prompt_cache, len(key))
+            problem = cache_problem(entry.prompt_cache, len(key), main)
             if problem:
                 logger.warning(
                     "mlx-lm-mla: evicted a bad prompt cache entry: %s", problem
@@ -104,7 +129,7 @@ def guarded_fetch(original):
         cache, rest = original(self, model, tokens)
         if cache is None:
             return cache, rest
-        if cache_problem(cache, len(tokens) - len(rest)):
+        if cache_problem(cache, len(tokens) - len(rest), main):
             return None, tokens
         if rest or not tokens:
             return cache, rest
@@ -125,7 +150,7 @@ def guarded_insert(original):
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         if isinstance(tokens, NoStore):
             return  # the cache of a "cache_prompt": false request
-        problem = cache_problem(prompt_cache, len(tokens))
+        problem = cache_problem(prompt_cache, len(tokens), main_layers(model))
         if problem:
             logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)
             return

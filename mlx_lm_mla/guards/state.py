@@ -87,8 +87,9 @@ class Requests:
 class ServerState:
     """The state one server's hooks share."""
 
-    def __init__(self, cli_args):
+    def __init__(self, cli_args, provider=None):
         self.cli_args = cli_args  # the server's command line
+        self.provider = provider  # its ModelProvider: the model it serves now
         self.requests = Requests()
         self.open_replies = set()  # recovery.Replies its generation loop owes
         self.last_key = None  # the loop's random key before its last guarded call
@@ -107,7 +108,7 @@ def of(model_provider) -> ServerState:
     found = vars(model_provider).get(ATTRIBUTE)
     if found is None:  # setdefault: the handler and the loop may ask at once
         found = vars(model_provider).setdefault(
-            ATTRIBUTE, ServerState(model_provider.cli_args)
+            ATTRIBUTE, ServerState(model_provider.cli_args, model_provider)
         )
     return found
 
