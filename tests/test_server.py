@@ -323,6 +323,13 @@ def test_a_body_that_is_not_utf8_gets_400(refused):
     )
 
 
+def test_a_refusal_carries_the_cors_headers_stock_gives_its_replies(refused):
+    # --allowed-origins defaults to "*": a browser client can read the 400.
+    head = refused["not_utf8"].split(b"\r\n\r\n", 1)[0].decode()
+    assert "\r\nAccess-Control-Allow-Origin: *\r\n" in head + "\r\n"
+    assert "\r\nContent-type: application/json\r\n" in head + "\r\n"
+
+
 def test_requests_in_flight_beside_bad_ones_complete_as_alone(refused):
     assert refused["errors"] == [] and sorted(refused["served"]) == sorted(
         refused["expected"]

@@ -175,8 +175,8 @@ def _vocabulary(generator, tokenizer):
 def _reply(handler, status, message):
     # mlx-lm's own error body: {"error": "..."}.
     body = json.dumps({"error": message}).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
+    # Stock's status line and headers: JSON, and CORS as --allowed-origins says.
+    handler._set_completion_headers(status)
     handler.send_header("Content-Length", str(len(body)))
     handler.end_headers()
     handler.wfile.write(body)

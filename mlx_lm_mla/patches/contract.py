@@ -220,6 +220,12 @@ NAMES = (
         ("QuantizedKVCache.bits", Field(), "its keys are lists, not a bad cache"),
     ),
     *_rows(
+        SERVER,
+        (REUSE,),
+        ("ModelProvider.draft_model", Field(), "a drafting server's draft caches"),
+        ("ModelProvider.model_key", Field(), "the key those caches are stored under"),
+    ),
+    *_rows(
         CACHE,
         (FILES, REUSE, DISK),
         ("_BaseCache.state", Property(settable=True), _STATE),
@@ -323,6 +329,11 @@ NAMES = (
         ("APIHandler.body", Field(), "NaN, infinity and cache_prompt are read"),
         ("APIHandler.stream", Field(), "a failed stream gets an error event"),
         ("APIHandler.logit_bias", Field(), "ids are checked against the vocab"),
+        (
+            "APIHandler._set_completion_headers",
+            Method(("self", "status_code")),
+            "a refusal's status line and headers, CORS included, as stock's",
+        ),
         ("CompletionRequest.request_type", Field(), "which fields to check"),
         ("CompletionRequest.prompt", Field(), "an empty prompt is refused"),
         ("CompletionRequest.messages", Field(), "malformed messages are refused"),
