@@ -13,7 +13,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.server import ResponseGenerator
 
 from mlx_lm_mla.guards import cancellation
+from mlx_lm_mla import tiny
 from mlx_lm_mla.guards.recovery import TRIES
+from mlx_lm_mla.guards.requests import context_length, model_setting
 from mlx_lm_mla.guards.reuse import cache_problem
 
 from conftest import latent_kv
@@ -244,3 +246,28 @@ def test_the_models_own_cache_may_not_be_behind_where_it_drafts(installed):
 def test_without_a_draft_model_every_cache_holds_every_token(installed):
     problem = cache_problem(_draft_lagging(6, 0, 1), 6)
     assert problem == "layer 2: KVCache holds 5 tokens, expected 6"
+
+
+def _with_args(**args):
+    return Namespace(args=Namespace(**args))
+
+
+def test_a_yarn_context_kept_unscaled_in_the_config_counts_scaled():
+    # Qwen's YaRN set-up: max_position_embeddings stays the unscaled length.
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    model = _with_args(max_position_embeddings=512, rope_scaling=yarn)
+    assert context_length(model) == 2048
+
+
+def test_a_context_the_config_gives_scaled_is_taken_as_it_is():
+    # DeepSeek-V3's: 4,096 positions stretched 40 times, and the result given.
+    yarn = {"factor": 40, "original_max_position_embeddings": 4096}
+    model = _with_args(max_position_embeddings=163840, rope_scaling=yarn)
+    assert context_length(model) == 163840
+
+
+def test_a_wrapped_language_models_settings_are_read_from_its_text_config():
+    model, config = tiny.build_model("kimi_vl")
+    text = config["text_config"]
+    assert context_length(model) == text["max_position_embeddings"]
+    assert model_setting(model, "vocab_size") == text["vocab_size"]

@@ -15,12 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from mlx_lm_mla import tiny
+
 from serving import (
     SYSTEM,
     RequestFailed,
     Server,
     Stream,
     cached_tokens,
+    chat_body,
     four_clients,
     hang_up,
     post_json,
@@ -591,3 +594,25 @@ def test_a_drafting_server_reuses_its_prompt_cache_as_stock_does(model_path):
             usages = [server.chat(SYSTEM, max_tokens=10)[1] for _ in range(3)]
         cached[disabled] = [cached_tokens(u) for u in usages]
     assert cached[False] == cached[True] and cached[False][1] > 0
+
+
+def test_the_servers_own_max_tokens_past_the_context_is_served_as_stock_serves_it(
+    tmp_path,
+):
+    # A 64-token context: the prompt leaves fewer than the server's 60 tokens.
+    path = tiny.save_model(
+        tmp_path / "short", "glm4_moe_lite", max_position_embeddings=64
+    )
+    body = chat_body("hi")  # no max_tokens: the server's --max-tokens applies
+    answers = {}
+    for disabled in (True, False):
+        with Server(path, "--max-tokens", 60, disabled=disabled) as server:
+            answers[disabled] = post_json(server.port, "/v1/chat/completions", body)
+            refused = post_json(
+                server.port, "/v1/chat/completions", dict(body, max_tokens=60)
+            )
+    status, reply = answers[False]
+    assert status == 200 and reply["usage"]["prompt_tokens"] + 60 > 64
+    assert reply["choices"] == answers[True][1]["choices"]
+    # The client's own max_tokens past the context is still refused.
+    assert refused[0] == 400 and "max_tokens must be at most" in refused[1]["error"]

@@ -66,6 +66,36 @@ def content_problem(content):
 CEILING = 1 << 20
 
 
+def model_setting(model, name):
+    """A setting of the model's config: on its ``args``, or for a model that
+    wraps a language model (Kimi-VL), on ``args.text_config``; else None."""
+    args = getattr(model, "args", None)
+    for where in (args, getattr(args, "text_config", None)):
+        value = (
+            where.get(name) if isinstance(where, dict) else getattr(where, name, None)
+        )
+        if value is not None:
+            return value
+    return None
+
+
+def context_length(model):
+    """The tokens the model's positions reach, or None where its config does not
+    say: ``max_position_embeddings``, or where RoPE scaling stretches it past
+    that, its original length times the factor (Qwen's YaRN set-up keeps the
+    unscaled length there; DeepSeek's gives the scaled one)."""
+    length = model_setting(model, "max_position_embeddings")
+    if not isinstance(length, int):
+        return None
+    scaling = model_setting(model, "rope_scaling")
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        original = scaling.get("original_max_position_embeddings", length)
+        if isinstance(original, int):
+            length = max(length, int(original * factor))
+    return length
+
+
 def max_tokens_limit(generator, prompt_tokens):
     """(the most tokens the request may generate, why): the lower of the context
     the prompt leaves and the ceiling."""
@@ -76,9 +106,8 @@ def max_tokens_limit(generator, prompt_tokens):
             "mlx-lm-mla: MLX_LM_MLA_MAX_TOKENS is not an integer; using %d", CEILING
         )
         ceiling = CEILING
-    model = generator.model_provider.model
-    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-    if isinstance(context, int) and context - prompt_tokens < ceiling:
+    context = context_length(generator.model_provider.model)
+    if context is not None and context - prompt_tokens < ceiling:
         return max(context - prompt_tokens, 0), (
             f"the model's context is {context} tokens "
             f"and the prompt has {prompt_tokens}"
@@ -139,7 +168,9 @@ def tokens_problem(generator, server, tokenizer, args, prompt, state):
         return "prompt has no tokens"
     limit, why = max_tokens_limit(generator, len(prompt))
     asked = args.max_tokens
-    if isinstance(asked, int) and asked > limit:
+    # The server's own --max-tokens is not the client's to answer for.
+    sent = state is None or state.max_tokens_sent
+    if sent and isinstance(asked, int) and asked > limit:
         return f"max_tokens must be at most {limit}: {why}"
     bias = args.logits.logit_bias
     size = _vocabulary(generator, tokenizer)
@@ -163,7 +194,7 @@ def tokens_problem(generator, server, tokenizer, args, prompt, state):
 def _vocabulary(generator, tokenizer):
     # The logits' width: the model's vocabulary, else the tokenizer's.
     model = generator.model_provider.model
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    size = model_setting(model, "vocab_size")
     if isinstance(size, int):
         return size
     try:
@@ -204,6 +235,9 @@ def guarded_completion(original):
         body = self.body
         state.cache_prompt = not (
             isinstance(body, dict) and body.get("cache_prompt", True) is False
+        )
+        state.max_tokens_sent = isinstance(body, dict) and (
+            "max_tokens" in body or body.get("max_completion_tokens") is not None
         )
         try:
             with cancellation.watch(self, state):

@@ -20,6 +20,7 @@ ATTRIBUTE = "mlx_lm_mla"  # on the ModelProvider
 @dataclass
 class RequestState:
     cache_prompt: bool = True  # "cache_prompt": false neither reuses nor stores
+    max_tokens_sent: bool = True  # by the client, not the server's --max-tokens
     client_gone: Optional[str] = None  # which request, once its client left
     tokens: int = 0  # generated so far
     failure: Optional[BaseException] = None  # its own sampling's, in a batch
