@@ -48,6 +48,8 @@ HOLDS = {
     "<model>.layers": "list:",
     "<model-args>.max_position_embeddings": None,
     "<model-args>.vocab_size": None,
+    "<model-args>.rope_scaling": None,
+    "<model-args>.text_config": "<model-args>",
     "<cache>.caches": "list:<cache>",
     "<cache>.state": None,
     "<attention>.kv_lora_rank": None,

@@ -15,7 +15,7 @@ from mlx_lm.server import ResponseGenerator
 from mlx_lm_mla.guards import cancellation
 from mlx_lm_mla import tiny
 from mlx_lm_mla.guards.recovery import TRIES
-from mlx_lm_mla.guards.requests import context_length, model_setting
+from mlx_lm_mla.guards.requests import _vocabulary, context_length
 from mlx_lm_mla.guards.reuse import cache_problem
 
 from conftest import latent_kv
@@ -270,4 +270,5 @@ def test_a_wrapped_language_models_settings_are_read_from_its_text_config():
     model, config = tiny.build_model("kimi_vl")
     text = config["text_config"]
     assert context_length(model) == text["max_position_embeddings"]
-    assert model_setting(model, "vocab_size") == text["vocab_size"]
+    provider = Namespace(model=model)
+    assert _vocabulary(Namespace(model_provider=provider), None) == text["vocab_size"]

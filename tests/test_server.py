@@ -216,6 +216,28 @@ BAD_REQUESTS = [
         {"prompt": "hi", "max_tokens": 163840},
         "max_tokens must be at most",
     ),  # the context
+    # Fields upstream reads as objects or lists: it fails later on others.
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "stream": True, "stream_options": "usage"},
+        "stream_options must be an object, not a string",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage must be true or false, not int",
+    ),
+    ("/v1/chat/completions", {"messages": HI, "tools": "abc"}, "tools must be a list"),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "chat_template_kwargs": "x"},
+        "chat_template_kwargs must be an object, not a string",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "chat_template_kwargs": {"tokenize": False}},
+        "chat_template_kwargs must not set tokenize: the server sets it",
+    ),
     # A JSON bool where mlx-lm reads an integer: its check takes it for one.
     (
         "/v1/chat/completions",
@@ -297,11 +319,15 @@ def refused(model_path):
                 pool.map(lambda r: post_json(server.port, r[0], r[1]), BAD_REQUESTS)
             )
             not_utf8 = utf8.result()
+        # Valid JSON nested deeper than json's decoder can follow.
+        deep = b'{"prompt": "hi", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        too_deep = raw_post(server.port, "/v1/completions", deep)
         for s in streams:
             s.join()
     return dict(
         answers=answers,
         not_utf8=not_utf8,
+        too_deep=too_deep,
         served=[s.text for s in streams],
         errors=[s.error for s in streams if s.error],
         expected=expected,
@@ -331,6 +357,34 @@ def test_a_refusal_carries_the_cors_headers_stock_gives_its_replies(refused):
     head = refused["not_utf8"].split(b"\r\n\r\n", 1)[0].decode()
     assert "\r\nAccess-Control-Allow-Origin: *\r\n" in head + "\r\n"
     assert "\r\nContent-type: application/json\r\n" in head + "\r\n"
+
+
+def test_a_body_nested_too_deeply_to_parse_gets_400(refused):
+    reply = refused["too_deep"]
+    assert status_lines(reply) == ["HTTP/1.0 400 Bad Request"]
+    body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert body == {"error": "request body is nested too deeply to parse"}
+
+
+def test_stream_options_without_include_usage_streams_without_usage(model_path):
+    body = chat_body("hi", max_tokens=8, stream=True)
+    with Server(model_path) as server:
+        replies = [
+            raw_post(server.port, "/v1/chat/completions", json.dumps(b).encode())
+            for b in (dict(body, stream_options={}), body)
+        ]
+    streams = [r.split(b"\r\n\r\n", 1)[1].decode() for r in replies]
+    assert streams[0].rstrip().endswith("data: [DONE]") and '"error"' not in streams[0]
+    assert _texts(streams[0]) == _texts(streams[1])
+
+
+def _texts(stream):
+    return [
+        c["delta"].get("content")
+        for line in stream.splitlines()
+        if line.startswith("data: {")
+        for c in json.loads(line[6:])["choices"]
+    ]
 
 
 def test_requests_in_flight_beside_bad_ones_complete_as_alone(refused):

@@ -66,28 +66,19 @@ def content_problem(content):
 CEILING = 1 << 20
 
 
-def model_setting(model, name):
-    """A setting of the model's config: on its ``args``, or for a model that
-    wraps a language model (Kimi-VL), on ``args.text_config``; else None."""
-    args = getattr(model, "args", None)
-    for where in (args, getattr(args, "text_config", None)):
-        value = (
-            where.get(name) if isinstance(where, dict) else getattr(where, name, None)
-        )
-        if value is not None:
-            return value
-    return None
-
-
 def context_length(model):
     """The tokens the model's positions reach, or None where its config does not
     say: ``max_position_embeddings``, or where RoPE scaling stretches it past
     that, its original length times the factor (Qwen's YaRN set-up keeps the
     unscaled length there; DeepSeek's gives the scaled one)."""
-    length = model_setting(model, "max_position_embeddings")
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    if text is not None and not isinstance(text, dict):
+        args = text  # Kimi-VL's and Kimi K2.5's language model's own
+    length = getattr(args, "max_position_embeddings", None)
     if not isinstance(length, int):
         return None
-    scaling = model_setting(model, "rope_scaling")
+    scaling = getattr(args, "rope_scaling", None)
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
     if isinstance(factor, (int, float)) and factor > 1:
         original = scaling.get("original_max_position_embeddings", length)
@@ -117,27 +108,20 @@ def max_tokens_limit(generator, prompt_tokens):
 
 def non_finite(value, path=""):
     """The path of the first NaN or infinite number in a JSON body (Python's json
-    reads them), or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return path or "body"
-    items = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for key, item in items:
-        inner = (
-            f"{path}[{key}]"
-            if isinstance(key, int)
-            else f"{path}.{key}"
-            if path
-            else str(key)
-        )
-        found = non_finite(item, inner)
-        if found:
-            return found
+    reads them), or None. A loop, not recursion: a body json could parse may
+    be nested nearly as deep as the interpreter's stack."""
+    pending = [(value, path)]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path or "body"
+        if isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        pending.extend(reversed([(v, where) for where, v in items]))
     return None
 
 
@@ -194,7 +178,11 @@ def tokens_problem(generator, server, tokenizer, args, prompt, state):
 def _vocabulary(generator, tokenizer):
     # The logits' width: the model's vocabulary, else the tokenizer's.
     model = generator.model_provider.model
-    size = model_setting(model, "vocab_size")
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    if text is not None and not isinstance(text, dict):
+        args = text  # as context_length reads it
+    size = getattr(args, "vocab_size", None)
     if isinstance(size, int):
         return size
     try:
@@ -316,12 +304,42 @@ def parameters_problem(body):
             except (TypeError, ValueError):
                 where = f"logit_bias[{json.dumps(token)}]"
                 return f"{where} must be a number, not {_kind(value)}"
+    return _shape_problem(body)
+
+
+# Keywords the server passes the chat template itself: a request's own
+# chat_template_kwargs naming one fails in the template call (upstream's 404).
+TEMPLATE_OWN = ("tools", "tokenize", "add_generation_prompt")
+
+
+def _shape_problem(body):
+    # Fields upstream reads as objects or lists and fails on otherwise.
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            return f"stream_options must be an object, not {_kind(options)}"
+        usage = options.get("include_usage", False)
+        if not isinstance(usage, bool):
+            return f"stream_options.include_usage must be true or false, not {_kind(usage)}"
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        return "tools must be a list of objects"
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            return f"chat_template_kwargs must be an object, not {_kind(kwargs)}"
+        taken = [k for k in TEMPLATE_OWN if k in kwargs]
+        if taken:
+            return f"chat_template_kwargs must not set {taken[0]}: the server sets it"
     return None
 
 
 def _kind(value):
     # A JSON value's kind, as a client sent it.
     kinds = {type(None): "null", list: "an array", dict: "an object", str: "a string"}
+    kinds[bool] = "a boolean"
     return kinds.get(type(value), type(value).__name__)
 
 
@@ -335,6 +353,10 @@ def refused_parameters(original):
         problem = parameters_problem(getattr(self, "body", None))
         if problem:
             raise BadRequest(problem)
+        options = self.stream_options
+        if isinstance(options, dict) and "include_usage" not in options:
+            # OpenAI's default; upstream indexes the key (a KeyError mid-stream).
+            self.stream_options = {**options, "include_usage": False}
         try:
             return original(self)
         except BadRequest:
@@ -348,7 +370,8 @@ def refused_parameters(original):
 
 def answered_post(original):
     """``APIHandler.do_POST`` where every failure gets one status: 400 for a body
-    that is not UTF-8 (upstream closes with no reply) or a refused field, else 500."""
+    that is not UTF-8 or nested too deeply to parse (upstream closes with no
+    reply) or a refused field, else 500."""
 
     def do_POST(self):
         try:
@@ -358,6 +381,9 @@ def answered_post(original):
         except BadRequest as e:
             _reply(self, 400, str(e))
         except Exception as e:
+            # json's decoder names what it was decoding when the stack ran out.
+            if isinstance(e, RecursionError) and "JSON" in str(e):
+                return _reply(self, 400, "request body is nested too deeply to parse")
             logger.exception("mlx-lm-mla: request failed in the server")
             try:
                 _reply(self, 500, f"{type(e).__name__}: {e}")

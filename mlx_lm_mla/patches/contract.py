@@ -328,6 +328,7 @@ NAMES = (
         (REQUEST_CHECKS,),
         ("APIHandler.body", Field(), "NaN, infinity and cache_prompt are read"),
         ("APIHandler.stream", Field(), "a failed stream gets an error event"),
+        ("APIHandler.stream_options", Field(), "include_usage gets its default"),
         ("APIHandler.logit_bias", Field(), "ids are checked against the vocab"),
         (
             "APIHandler._set_completion_headers",
@@ -421,14 +422,28 @@ NAMES = (
                 "ModelArgs.max_position_embeddings",
                 Field(),
                 "max_tokens is checked against the context (none given: the "
-                "ceiling alone, as for Kimi's, whose arguments hold a text config)",
+                "ceiling alone)",
             ),
             (
                 "ModelArgs.vocab_size",
                 Field(),
                 "logit_bias ids are checked against it (else the tokenizer's)",
             ),
+            (
+                "ModelArgs.rope_scaling",
+                Field(),
+                "a context its config keeps unscaled is counted scaled",
+            ),
         )
+    ),
+    *_rows(
+        "mlx_lm.models.kimi_vl",
+        (REQUEST_CHECKS,),
+        (
+            "ModelArgs.text_config",
+            Field(),
+            "the language model's arguments: its context and vocabulary",
+        ),
     ),
     # --- mlx and the standard library -----------------------------------------
     *_rows(
