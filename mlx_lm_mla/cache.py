@@ -334,11 +334,14 @@ def _retype(cache, cls):
 
 
 def _twin(batch):
-    """A shallow copy of ``batch`` with a left padding of its own: stock adds
-    to a batch's ``left_padding`` in place (``prepare``, ``finalize``,
-    ``filter``), so a mixed batch and its packed rows must not share it."""
+    """A shallow copy of ``batch`` with arrays of its own beside its rows: stock
+    adds to ``left_padding`` in place (``prepare``, ``finalize``, ``filter``),
+    and mlx-lm 0.31 to ``offset`` too, so a mixed batch and its packed rows,
+    each updated, must not share them."""
     twin = copy.copy(batch)
-    twin.left_padding = mx.array(batch.left_padding)
+    for name, value in vars(batch).items():
+        if isinstance(value, mx.array) and name not in ("keys", "values"):
+            setattr(twin, name, mx.array(value))
     return twin
 
 

@@ -328,8 +328,19 @@ def test_a_mixed_batch_keeps_every_rows_tokens_through_a_right_padded_chunk(
         batch.finalize()
     offsets = [[b.extract(i).offset for i in range(3)] for b in (mixed, plain)]
     assert offsets == [[8, 13, 8]] * 2
+    # The positions the model ropes at (mlx-lm 0.31 adds to offset in place).
+    assert mixed.offset.tolist() == plain.offset.tolist()
+    assert mixed.left_padding.tolist() == plain.left_padding.tolist()
     assert mixed.left_padding.tolist() == plain.left_padding.tolist()
     assert mx.array_equal(mixed.make_mask(1), plain.make_mask(1)).item()
+
+
+def test_a_step_of_a_mixed_batch_moves_each_row_one_position(installed):
+    from mlx_lm_mla.cache import quantize_rows
+
+    batch = quantize_rows(batch_of([5, 9]), [1], 64, 4)
+    batch.update_and_fetch(*rows(1, B=2, seed=5))
+    assert batch.offset.tolist() == batch_of([6, 10]).offset.tolist()
 
 
 def test_a_mixed_batch_whose_quantized_rows_leave_is_plain_again(installed):
