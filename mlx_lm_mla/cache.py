@@ -115,21 +115,21 @@ class _PackedLatent:
             *super().update_and_fetch(*self._encode(latent, rope))
         )
         # Known by identity, so decode attention can read the bytes instead.
-        self._fetched = (weakref.ref(latent), weakref.ref(self.keys))
+        self._fetched = weakref.ref(latent)
         return latent, rope
 
     def latent_bytes(self, latent):
         """``(keys, values, format)``: the rows ``latent`` is decoded from, if it
         is what this cache last fetched (never evaluated then: decode attention
-        reads the bytes instead)."""
-        latent_ref, keys_ref = vars(self).get("_fetched", (None, None))
-        if (
-            latent_ref is None
-            or latent_ref() is not latent
-            or keys_ref() is not self.keys
-        ):
+        reads the bytes instead). The rows are the cache's own as they are now:
+        DeepSeek-V3.2 rebinds ``keys`` to itself with a dependency after the
+        fetch, and nothing writes rows below the fetched length in between."""
+        fetched = vars(self).get("_fetched")
+        if fetched is None or fetched() is not latent or self.keys is None:
             return None
         n = latent.shape[2]
+        if self.keys.shape[-2] < n:
+            return None
         return self.keys[..., :n, :], self.values[..., :n, :], self._format
 
     def latent_reader(self, latent):

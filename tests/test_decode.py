@@ -104,6 +104,17 @@ def test_a_quantized_latent_is_read_from_its_bytes(
     assert mx.array_equal(got, decode_logits(model, bits)).item()
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_a_dsa_model_attending_every_position_reads_the_bytes(
+    model_type, installed, small_chunks, calls
+):
+    # Below index_topk nothing is gathered: the latent the cache handed over
+    # is attended, though the model rebinds the cache's keys after the fetch.
+    model, _ = tiny.build_model(model_type, index_topk=len(TOKENS))
+    decode_logits(model, 4)
+    assert calls and all(calls)
+
+
 def test_a_batch_with_left_padding_decodes_as_stock(installed, small_chunks, calls):
     model, _ = tiny.build_model("glm4_moe_lite")
     prompts = [TOKENS[:90], TOKENS[20:60]]
