@@ -300,6 +300,7 @@ def extend_latent(batch, other, extend):
             packed = quantize_latent(
                 _twin(batch), *_settings(other), like=_packed(other)
             )
+            _same_format([packed, _packed(other)], "extend")  # before batch changes
             _mixed(batch, packed, False)
         return batch.extend(other)
     return extend(other)
@@ -489,6 +490,7 @@ class BatchMixedLatentCache(BatchKVCache):
         else:
             packed = quantize_latent(_twin(other), *_settings(self), like=self.packed)
             plain, flags = other, _flags([False] * other.offset.size)
+        _same_format([self.packed, packed], "extend")  # before any row moves
         BatchKVCache.extend(self, plain)
         self.packed.extend(packed)
         self.quantized = mx.concatenate([self.quantized, flags])

@@ -208,6 +208,30 @@ def test_merge_refuses_caches_quantized_differently(installed):
         a.merge([a, b])
 
 
+def _bf16_batch(lengths):
+    singles = [filled(KVCache(), n, seed=9, dtype=mx.bfloat16)[0] for n in lengths]
+    return BatchKVCache.merge(singles)
+
+
+def test_a_mixed_batch_refusing_rows_of_another_kind_keeps_its_own(installed):
+    from mlx_lm_mla.cache import quantize_rows
+
+    batch = quantize_rows(batch_of([5, 9]), [1], 64, 4)
+    keys, offset = batch.keys, batch.offset.tolist()
+    with pytest.raises(ValueError, match="not quantized alike"):
+        batch.extend(_bf16_batch([4]))
+    assert batch.keys is keys and batch.offset.tolist() == offset
+    assert batch.packed.offset.tolist() == offset and batch.quantized.size == 2
+
+
+def test_a_plain_batch_refusing_quantized_rows_of_another_kind_stays_plain(installed):
+    batch = batch_of([5, 9])
+    keys = batch.keys
+    with pytest.raises(ValueError, match="not quantized alike"):
+        batch.extend(quantize_latent(_bf16_batch([4]), 64, 4))
+    assert type(batch) is BatchKVCache and batch.keys is keys
+
+
 def test_extract_gives_a_quantized_single_of_the_row(installed):
     batch = batch_of([3, 7], bits=8)
     row = batch.extract(0)
