@@ -99,7 +99,7 @@ def int_list(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list")
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
-    return values
+    return list(dict.fromkeys(values))  # a repeat would be a second row
 
 
 def variant_list(text):
@@ -110,7 +110,7 @@ def variant_list(text):
             f"unknown variant(s) {', '.join(unknown) or repr(text)}; "
             f"choose from {', '.join(offered_variants())}"
         )
-    return values
+    return list(dict.fromkeys(values))
 
 
 def parser(prog="mlx-lm-mla bench"):

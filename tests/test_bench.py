@@ -317,3 +317,10 @@ def test_the_head_count_of_every_mla_attention_is_read(model_type):
     _, attention, _ = bench.mla_layer(model)
     text = config.get("text_config", config)
     assert bench.head_count(attention) == text["num_attention_heads"]
+
+
+def test_a_value_given_twice_is_measured_once():
+    args = bench.parser().parse_args(
+        ["--contexts", "256,1024,256", "--batch", "1,1", "--variants", "ours,ours"]
+    )
+    assert (args.contexts, args.batch, args.variants) == ([256, 1024], [1], ["ours"])
