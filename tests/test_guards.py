@@ -272,3 +272,14 @@ def test_a_wrapped_language_models_settings_are_read_from_its_text_config():
     assert context_length(model) == text["max_position_embeddings"]
     provider = Namespace(model=model)
     assert _vocabulary(Namespace(model_provider=provider), None) == text["vocab_size"]
+
+
+def test_a_request_whose_watch_cannot_start_a_thread_runs_unwatched(monkeypatch):
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(cancellation.threading.Thread, "start", no_thread)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        with cancellation.Watch(ours, Namespace(client_gone=None), "r") as watch:
+            assert watch.state.client_gone is None

@@ -66,7 +66,10 @@ class Watch:
             self.done.wait(POLL)
 
     def __enter__(self):
-        self.thread.start()
+        try:
+            self.thread.start()
+        except RuntimeError as e:  # no thread to spare: a failure of ours only
+            logger.warning("mlx-lm-mla: %s runs unwatched: %s", self.name, e)
         return self
 
     def __exit__(self, *exc):
