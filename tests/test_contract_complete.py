@@ -141,6 +141,7 @@ HOLDS = {
     f"{SERVER}.ModelProvider.cli_args": "<cli-args>",
     f"{SERVER}.ModelProvider.is_batchable": None,
     f"{SERVER}.ModelProvider.is_distributed": None,
+    f"{SERVER}.ModelProvider.model_key": None,  # a tuple of paths (or None)
     f"{SERVER}.GenerationArguments.seed": None,
     f"{SERVER}.GenerationArguments.max_tokens": None,
     f"{SERVER}.GenerationArguments.logits": f"{SERVER}.LogitsProcessorArguments",

@@ -166,3 +166,82 @@ def test_a_large_weight_file_is_read_in_part(tmp_path, monkeypatch):
     )
     assert fingerprint.model_digest((str(folder), None, None)) is not None
     assert 2 << 20 < sum(read) < 3 << 20
+
+
+# --- a server's model is known by its files as it loaded them ------------------
+
+
+def server_args(monkeypatch, tmp_path, model):
+    """The arguments ``mlx_lm.server.main`` parses for a server of ``model``
+    with the tier in ``tmp_path / "caches"``."""
+    import sys
+
+    import mlx_lm.server as server
+
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(server, "ModelProvider", lambda args: seen.append(args))
+        m.setattr(server, "run", lambda *args: None)
+        folder = str(tmp_path / "caches")
+        argv = ["--model", str(model), "--prompt-cache-dir", folder]
+        m.setattr(sys, "argv", ["mlx_lm.server", *argv])
+        server.main()
+    return seen[0]
+
+
+def started(cli_args):
+    """A server's provider with its default model loaded (mlx-lm 0.31 loads it
+    when made, 0.32 at its loop's start), and its tier."""
+    import mlx_lm.server as server
+
+    from mlx_lm_mla.disk import hooks
+
+    provider = server.ModelProvider(cli_args)
+    getattr(provider, "load_default", lambda: None)()
+    return provider, hooks.open_tier(cli_args, provider)
+
+
+def copy_over(source, folder):
+    for path in source.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+
+
+def test_files_changed_between_the_load_and_the_first_request_do_not_label_its_caches(
+    installed, tmp_path, monkeypatch
+):
+    model = tiny.save_demo_model(tmp_path / "model", seed=0)
+    cli_args = server_args(monkeypatch, tmp_path, model)
+    provider, tier = started(cli_args)
+    copy_over(tiny.save_demo_model(tmp_path / "v2", seed=1), model)
+    try:  # the first request: a cache of the weights loaded before the change
+        tier.store(provider.model_key, PROMPT, random_cache(len(PROMPT)))
+        tier.flush()
+        assert tier.restore(provider.model_key, PROMPT + [5]) is not None
+    finally:
+        tier.close()
+    provider, tier = started(cli_args)  # a restart loads the files now there
+    try:
+        assert tier.restore(provider.model_key, PROMPT + [5]) is None
+    finally:
+        tier.close()
+
+
+def test_a_model_loaded_again_is_fingerprinted_again_and_its_older_caches_go(
+    installed, tmp_path, monkeypatch
+):
+    model = tiny.save_demo_model(tmp_path / "model", seed=0)
+    other = tiny.save_demo_model(tmp_path / "other", seed=1)
+    provider, tier = started(server_args(monkeypatch, tmp_path, model))
+    try:
+        key = provider.model_key
+        tier.store(key, PROMPT, random_cache(len(PROMPT)))
+        tier.flush()
+        copy_over(other, model)
+        provider.load(str(other))  # another model, then the default again
+        provider.load(*key)
+        assert provider.model_key == key
+        assert tier.restore(key, PROMPT + [5]) is None
+        tier.flush()
+        assert cache_files(tmp_path) == []  # written for the files before
+    finally:
+        tier.close()

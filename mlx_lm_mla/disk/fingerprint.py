@@ -104,6 +104,30 @@ def model_digest(model_key):
     return digest.hexdigest()
 
 
+def model_form(model_key):
+    """The model key's paths as the index keeps them (JSON): a folder resolved, so
+    ``./model`` of two working folders is two models; a hub id as given, so its
+    next revision is the same model, whose older caches go."""
+    listed = list(model_key) if isinstance(model_key, (tuple, list)) else [model_key]
+    return json.dumps(
+        [
+            str(Path(p).resolve()) if p is not None and os.path.isdir(p) else p
+            for p in listed
+        ],
+        default=str,
+    )
+
+
+class Fingerprint:
+    """A model key's files as the server loaded them: taken at its load, so a
+    change of the files after it is another model's, never this one's."""
+
+    def __init__(self, key, paths):
+        self.key = key
+        self.model = model_form(paths)
+        self.digest = model_digest(paths)  # None: a folder not on disk
+
+
 def cache_settings(cli_args):
     """The server's settings and library versions a stored cache depends on."""
     import mlx.core as mx

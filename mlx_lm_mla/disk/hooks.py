@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import threading
 import types
+import weakref
 from fractions import Fraction
 
 from ..guards import state as served
@@ -152,9 +153,38 @@ def loaded_paths(key, cli_args):
     return (cli_args.model, key[1] or cli_args.adapter_path, draft)
 
 
-def open_tier(cli_args):
+# A server's ModelProvider: the fingerprint of the model it last loaded.
+_LOADED = weakref.WeakKeyDictionary()
+
+
+def fingerprinted_load(original):
+    """``ModelProvider.load`` that, where it loads weights for the disk tier,
+    fingerprints their files at once: a cache is labelled with the files its
+    weights came from, not with what they are by the first request."""
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        before = self.model
+        result = original(self, model_path, adapter_path, draft_model_path)
+        cli_args = self.cli_args
+        if (
+            self.model is not before
+            and getattr(cli_args, "prompt_cache_dir", None) is not None
+            and not self.is_distributed
+        ):
+            from .fingerprint import Fingerprint
+
+            key = self.model_key
+            _LOADED[self] = Fingerprint(key, loaded_paths(key, cli_args))
+        return result
+
+    load.mlx_lm_mla_original = original
+    return load
+
+
+def open_tier(cli_args, provider=None):
     """The tier the command line asks for, or None (with a warning) if it cannot
-    be opened."""
+    be opened; with ``provider``, models are known by their fingerprint taken
+    when it loaded them."""
     from .fingerprint import cache_settings
     from .tier import DiskTier
 
@@ -167,6 +197,7 @@ def open_tier(cli_args):
             cache_settings(cli_args),
             least,
             paths=lambda key: loaded_paths(key, cli_args),
+            loaded=None if provider is None else lambda: _LOADED.get(provider),
         )
     except (NotOurs, OSError, sqlite3.Error) as e:
         logger.warning(
@@ -246,7 +277,7 @@ def with_tier(run):
                 DIR,
             )
             return run(host, port, model_provider, *args, **kwargs)
-        tier = open_tier(cli_args)
+        tier = open_tier(cli_args, model_provider)
         if tier is None:
             return run(host, port, model_provider, *args, **kwargs)
         server = served.of(model_provider)

@@ -19,7 +19,7 @@ from ..checksum import CorruptCacheFile
 from ..guards.reuse import cache_problem
 from . import cachefile, older
 from . import index as rows
-from .fingerprint import cache_digest, model_digest
+from .fingerprint import Fingerprint, cache_digest
 from .folder import (
     ASIDE,
     INDEX,
@@ -267,13 +267,16 @@ class DiskTier:
         pending=8,
         paths=None,
         timeout=60.0,
+        loaded=None,
     ):
         self.folder = open_folder(directory)
         older.note_first_layout(self.folder.parent)
         self.max_bytes, self.min_tokens = int(max_bytes), int(min_tokens)
         self.settings, self.cache_digest = settings, cache_digest(settings)
         self._paths = paths or (lambda model: model)  # model key: the paths it loads
-        self._models = {}  # model key: (model JSON, model digest) or None
+        # () -> the Fingerprint the server took at its last load, or None.
+        self._loaded = loaded
+        self._models = {}  # model key: (Fingerprint, (model JSON, digest) or None)
         self._refused = set()  # files found bad, until the writer writes them again
         self._warned = set()
         self.off = None  # why the tier turned itself off while running
@@ -311,21 +314,37 @@ class DiskTier:
     # --- the generation thread -------------------------------------------
 
     def _model(self, model):
-        if model not in self._models:
-            paths = self._paths(model)
-            digest = model_digest(paths)
-            if digest is None:
-                logger.warning(
-                    "mlx-lm-mla: the files of model %s are not on disk; its "
-                    "prompt caches stay in RAM",
+        """(model JSON, model digest) of a model key, or None: the fingerprint
+        the server took when it loaded the model (``loaded``); without a
+        server, taken the first time the key is seen."""
+        if self._loaded is not None:
+            taken = self._loaded()
+            if taken is None or taken.key != model:
+                self._warn(
+                    ("unloaded", model),
+                    "mlx-lm-mla: model %s has no fingerprint taken at its load; "
+                    "its prompt caches stay in RAM",
                     model,
                 )
-                self._models[model] = None
-            else:
-                listed = list(paths) if isinstance(paths, (tuple, list)) else [paths]
-                self._models[model] = (json.dumps(listed, default=str), digest)
-                self._queue.put(("changed", *self._models[model]))
-        return self._models[model]
+                return None
+        elif model in self._models:
+            taken = self._models[model][0]
+        else:
+            taken = Fingerprint(model, self._paths(model))
+        if model in self._models and self._models[model][0] is taken:
+            return self._models[model][1]
+        # Loaded again (or first seen): what was known of it before is not kept.
+        found = None if taken.digest is None else (taken.model, taken.digest)
+        self._models[model] = (taken, found)
+        if found is None:
+            logger.warning(
+                "mlx-lm-mla: the files of model %s are not on disk; its "
+                "prompt caches stay in RAM",
+                model,
+            )
+        else:
+            self._queue.put(("changed", *found))
+        return found
 
     def store(self, model, tokens, cache):
         """Queues ``cache`` (holding exactly ``tokens``) for writing, where it

@@ -387,6 +387,8 @@ NAMES = (
         SERVER,
         (DISK,),
         ("ModelProvider.is_distributed", Field(), "no tier for a distributed one"),
+        ("ModelProvider.model", Field(), "a new one: its files are fingerprinted"),
+        ("ModelProvider.model_key", Field(), "the key its fingerprint is for"),
         ("main", Holds("--model"), "read as cli_args.model"),
         ("main", Holds("--adapter-path"), "read as cli_args.adapter_path"),
         ("main", Holds("--draft-model"), "read as cli_args.draft_model"),

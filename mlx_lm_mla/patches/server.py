@@ -79,6 +79,8 @@ def table():
         Patch(CACHE, fetch, "wrap", disk.fetch_from_disk, DISK),
         Patch(CACHE, insert, "wrap", disk.insert_to_disk, DISK),
         Patch(SERVER, "run", "wrap", disk.with_tier, DISK),
+        # A model's files are fingerprinted as its weights are loaded.
+        Patch(SERVER, "ModelProvider.load", "wrap", disk.fingerprinted_load, DISK),
         # main() makes its parser through this module global: the flags join it.
         Patch(SERVER, "argparse", "set", disk.server_argparse, DISK),
         Patch(
