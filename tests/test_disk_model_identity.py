@@ -245,3 +245,59 @@ def test_a_model_loaded_again_is_fingerprinted_again_and_its_older_caches_go(
         assert cache_files(tmp_path) == []  # written for the files before
     finally:
         tier.close()
+
+
+# --- a model path is its folder, wherever the server runs ----------------------
+
+
+def test_servers_given_one_relative_path_in_other_folders_keep_each_others_caches(
+    installed, tmp_path, monkeypatch, caplog
+):
+    for project, seed in (("a", 0), ("b", 1)):
+        tiny.save_demo_model(tmp_path / project / "model", seed=seed)
+    key = ("model", None, None)  # `--model model` in each project's folder
+    monkeypatch.chdir(tmp_path / "a")
+    a = open_tier(tmp_path)
+    monkeypatch.chdir(tmp_path / "b")
+    b = open_tier(tmp_path)
+    try:
+        monkeypatch.chdir(tmp_path / "a")
+        a.store(key, PROMPT, random_cache(len(PROMPT)))
+        a.flush()
+        monkeypatch.chdir(tmp_path / "b")
+        with caplog.at_level(logging.WARNING):
+            assert b.restore(key, prompt(300, 1) + [5]) is None  # its first request
+            b.flush()
+        assert len(cache_files(tmp_path)) == 1
+        assert not any("were others" in r.getMessage() for r in caplog.records)
+        monkeypatch.chdir(tmp_path / "a")
+        assert a.restore(key, PROMPT + [5]) is not None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_rows_that_name_a_model_by_its_absolute_path_as_given_go_when_it_changes(
+    installed, tmp_path, monkeypatch
+):
+    model = tiny.save_demo_model(tmp_path / "model", seed=0)
+    (tmp_path / "link").symlink_to(model)
+    key = (str(tmp_path / "link"), None, None)
+    with monkeypatch.context() as m:  # as the index kept paths before
+        m.setattr(fingerprint, "model_form", lambda paths: json.dumps(list(paths)))
+        store(tmp_path, key)
+    assert json.loads(only_row_model(tmp_path)) == list(key)
+    copy_over(tiny.save_demo_model(tmp_path / "v2", seed=1), model)
+    assert not restores(tmp_path, key)
+    assert cache_files(tmp_path) == []
+
+
+def only_row_model(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "caches" / SUBFOLDER / "index.sqlite")
+    try:
+        [(model,)] = db.execute("SELECT model FROM entries").fetchall()
+    finally:
+        db.close()
+    return model

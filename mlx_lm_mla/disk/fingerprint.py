@@ -104,18 +104,33 @@ def model_digest(model_key):
     return digest.hexdigest()
 
 
+def _listed(model_key):
+    return list(model_key) if isinstance(model_key, (tuple, list)) else [model_key]
+
+
 def model_form(model_key):
     """The model key's paths as the index keeps them (JSON): a folder resolved, so
     ``./model`` of two working folders is two models; a hub id as given, so its
     next revision is the same model, whose older caches go."""
-    listed = list(model_key) if isinstance(model_key, (tuple, list)) else [model_key]
     return json.dumps(
         [
             str(Path(p).resolve()) if p is not None and os.path.isdir(p) else p
-            for p in listed
+            for p in _listed(model_key)
         ],
         default=str,
     )
+
+
+def older_form(model_key):
+    """The form rows kept before their paths were resolved (the paths as given),
+    where it names the same folders as ``model_form`` (none is relative) and
+    differs from it; else None. A relative one's rows may be another folder's."""
+    listed = _listed(model_key)
+    typed = json.dumps(listed, default=str)
+    relative = any(
+        p is not None and os.path.isdir(p) and not os.path.isabs(p) for p in listed
+    )
+    return None if relative or typed == model_form(model_key) else typed
 
 
 class Fingerprint:
@@ -124,7 +139,7 @@ class Fingerprint:
 
     def __init__(self, key, paths):
         self.key = key
-        self.model = model_form(paths)
+        self.model, self.older = model_form(paths), older_form(paths)
         self.digest = model_digest(paths)  # None: a folder not on disk
 
 

@@ -343,7 +343,7 @@ class DiskTier:
                 model,
             )
         else:
-            self._queue.put(("changed", *found))
+            self._queue.put(("changed", *found, taken.older))
         return found
 
     def store(self, model, tokens, cache):
@@ -629,8 +629,10 @@ class DiskTier:
                 "mlx-lm-mla: removed the index row of %s: %s", self.folder / name, why
             )
 
-    def _changed(self, model, digest):
+    def _changed(self, model, digest, older=None):
         stale = self.index.changed(model, digest, self.cache_digest)
+        if older is not None:  # rows written before the paths were resolved
+            stale += self.index.changed(older, digest, self.cache_digest)
         for name in stale:
             with self.index.transaction() as db:
                 removed = rows.remove(db, name)
