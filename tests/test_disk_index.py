@@ -469,6 +469,50 @@ def test_a_folder_of_the_tier_that_cannot_be_read_starts_the_server_without_it(
     assert (caches(folder) / MARKER).read_bytes() == marker
 
 
+def start_server_tier(folder):
+    """What the server runs: its flags checked, then the tier opened."""
+    args = argparse.Namespace(
+        prompt_cache_dir=str(folder),
+        prompt_cache_dir_bytes=None,
+        prompt_cache_dir_min_tokens=None,
+    )
+    hooks.check_flags(argparse.ArgumentParser(), args)
+    return hooks.open_tier(args)
+
+
+@pytest.mark.parametrize("path", ["folder", MARKER, INDEX])
+def test_a_folder_others_can_write_starts_the_server_without_the_tier(
+    tiers, tmp_path, caplog, path
+):
+    folder = tmp_path / "caches"
+    tiers(folder=folder).close()
+    target = caches(folder) if path == "folder" else caches(folder) / path
+    target.chmod(target.stat().st_mode | 0o022)
+    before = contents(caches(folder))
+    caplog.clear()
+    assert start_server_tier(folder) is None
+    [line] = warnings_of(caplog)
+    assert "prompt caches on disk are off" in line, line
+    assert f"{target} can be written by its group or other users" in line, line
+    assert contents(caches(folder)) == before
+
+
+def test_a_folder_of_another_user_starts_the_server_without_the_tier(
+    tiers, tmp_path, caplog, monkeypatch
+):
+    folder = tmp_path / "caches"
+    tiers(folder=folder).close()  # its owner: this user, not the one below
+    before = contents(caches(folder))
+    caplog.clear()
+    with monkeypatch.context() as m:
+        m.setattr(os, "geteuid", lambda: os.stat(caches(folder)).st_uid + 1)
+        assert start_server_tier(folder) is None
+    [line] = warnings_of(caplog)
+    owner = os.stat(caches(folder)).st_uid
+    assert f"{caches(folder)} belongs to user {owner}, not this" in line, line
+    assert contents(caches(folder)) == before
+
+
 # --- caches of an older mlx-lm-mla -------------------------------------------------
 
 # The first layout's index (mlx-lm-mla-disk-1: DIR/index.sqlite, no folder of

@@ -131,6 +131,29 @@ def _cannot(what, path, error):
     return kind(f"cannot {what} {path}: {error.strerror or error}")
 
 
+def _unsafe(path, info):
+    """Why another user could change what the tier reads at ``path`` (its
+    ``lstat``), or None: it is not this process's, or others can write it (a
+    link's mode means nothing; in a folder of this user's, this user made it)."""
+    if info.st_uid != os.geteuid():
+        return (
+            f"{path} belongs to user {info.st_uid}, not this process's ({os.geteuid()})"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not stat.S_ISLNK(info.st_mode):
+        mode = stat.S_IMODE(info.st_mode)
+        return f"{path} can be written by its group or other users (mode {mode:04o})"
+    return None
+
+
+def _refuse_unsafe(path, info):
+    why = _unsafe(path, info)
+    if why:
+        raise Unusable(
+            f"{why}: another user could replace its prompt caches; make it this "
+            "user's with mode 0700 (its files 0600), or choose another folder"
+        )
+
+
 def open_folder(directory, create=True):
     """The tier's folder in ``directory``, made (mode 0700) and marked if
     ``create``; NotOurs, naming why, where it is not the tier's or unusable."""
@@ -143,15 +166,16 @@ def open_folder(directory, create=True):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):
                 folder.mkdir(mode=0o700)
-        mode = os.lstat(folder).st_mode
+        info = os.lstat(folder)
     except FileNotFoundError:
         raise NotOurs(f"{folder} does not exist")
     except OSError as e:
         raise _cannot("make" if create else "open", folder, e)
-    if not stat.S_ISDIR(mode):
+    if not stat.S_ISDIR(info.st_mode):
         raise NotOurs(
             f"{folder} is not a directory of the tier; move it or choose another folder"
         )
+    _refuse_unsafe(folder, info)
     marker = folder / MARKER
     try:
         found = _read_marker(marker)
@@ -164,6 +188,12 @@ def open_folder(directory, create=True):
             found = _read_marker(marker)
     except OSError as e:
         raise _cannot("mark", folder, e)
+    for name in (MARKER, INDEX):
+        try:
+            info = os.lstat(folder / name)
+        except OSError:
+            continue  # none yet; or unreadable, which opening it says
+        _refuse_unsafe(folder / name, info)
     if found is None:
         raise NotOurs(
             f"{folder} has no marker of the tier ({MARKER}), so what it holds "
