@@ -619,6 +619,32 @@ def test_the_bound_holds_while_a_file_is_being_written(tiers, child, tmp_path):
     assert len(temp_files(folder)) == 1 and tier_bytes(folder) <= bound
 
 
+def pending_rows(directory):
+    db = sqlite3.connect(f"file:{caches(directory) / INDEX}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT name FROM pending").fetchall()
+    finally:
+        db.close()
+
+
+def test_a_writer_killed_while_writing_takes_no_room_from_a_server_that_runs_on(
+    tiers, child, tmp_path
+):
+    key = fake_model(tmp_path / "model")
+    folder = tmp_path / "caches"
+    size = stored(tiers, key, folder=tmp_path / "probe").total_bytes()
+    bound = int(size * 1.5)  # room for one file
+    tier = tiers(max_bytes=bound)
+    tier.flush()  # its start's sweep is done: only a running server is left
+    proc = child(folder, key[0], 0, 1, bound, "fsync:1")  # killed mid-write
+    assert proc.wait(timeout=600) == -signal.SIGKILL
+    assert len(temp_files(folder)) == 1 and len(pending_rows(folder)) == 1
+    tier.store(key, prompt(300, 10), random_cache(300, seed=10))
+    tier.flush()
+    assert tier.restore(key, prompt(300, 10) + [5], 0) is not None
+    assert consistent(folder) and pending_rows(folder) == []
+
+
 def test_a_snapshot_that_fails_gives_its_place_back_to_the_writes_queued(
     tiers, tmp_path, monkeypatch
 ):

@@ -198,9 +198,7 @@ def sweep(folder, db, presence):
     for name in sorted(found - known):
         if is_cache_name(name):
             adopt(folder, db, name)
-    for name, owner in rows.pending(db):
-        if owner != presence.id and not alive(folder, owner):
-            db.execute("DELETE FROM pending WHERE name = ?", (name,))
+    drop_dead_writes(folder, db, presence)
     # A name in place but not a regular file (a directory, a link) is refused
     # when a restore finds it: no file is looked at one by one here.
     for name in sorted(known - found):
@@ -216,6 +214,20 @@ def sweep(folder, db, presence):
                 "mlx-lm-mla: %s is missing; its row is removed", folder / name
             )
         rows.remove(db, name)
+
+
+def drop_dead_writes(folder, db, presence):
+    """Removes the pending rows of processes that ended while writing (killed),
+    and their temporary files; inside a write transaction."""
+    for name, owner in rows.pending(db):
+        if owner != presence.id and not alive(folder, owner):
+            db.execute("DELETE FROM pending WHERE name = ?", (name,))
+            unlink(
+                folder,
+                name,
+                "a temporary file of a process that ended before it finished it",
+                logging.WARNING,
+            )
 
 
 def evict(db, max_bytes, room=0):
@@ -532,6 +544,10 @@ class DiskTier:
         with self.index.transaction() as db:
             if db.execute("SELECT 1 FROM entries WHERE name = ?", (name,)).fetchone():
                 return  # written meanwhile by another server
+            if rows.total_bytes(db) + size > self.max_bytes:
+                # Before refusing or evicting: a writer killed mid-write left
+                # its bytes pending, which only a start's sweep would drop.
+                drop_dead_writes(self.folder, db, self.presence)
             if rows.pending_bytes(db) + size > self.max_bytes:
                 self._warn(
                     "crowded",
