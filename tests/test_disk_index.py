@@ -587,6 +587,24 @@ def test_a_tier_on_a_folder_named_with_uri_characters_creates_nothing_outside_it
     assert all(p.exists() for p in ours)
 
 
+def test_another_programs_index_in_wal_mode_gets_no_file_beside_it(
+    tiers, tmp_path, capsys
+):
+    folder = tmp_path / "caches"
+    folder.mkdir()
+    db = sqlite3.connect(folder / INDEX)  # closed cleanly: no -wal or -shm left
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("CREATE TABLE notes (x)")
+    db.commit()
+    db.close()
+    before = (folder / INDEX).read_bytes()
+    tiers(folder=folder).close()
+    assert mlx_lm_mla_main(["cache-dir", "stats", str(folder)]) == 0
+    assert "older mlx-lm-mla" not in capsys.readouterr().out
+    assert sorted(os.listdir(folder)) == sorted([INDEX, caches(folder).name])
+    assert (folder / INDEX).read_bytes() == before
+
+
 def test_a_folder_of_an_older_format_starts_the_server_and_clear_empties_it(
     model_path, tmp_path
 ):

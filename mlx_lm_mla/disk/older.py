@@ -43,12 +43,27 @@ _FIRST_FILE = re.compile(r"[0-9a-f]{40}\.safetensors")
 _FIRST_TEMP = re.compile(r"\.tmp-[0-9]+-[0-9a-f]{32}\.safetensors")
 
 
+def _rollback_database(path):
+    """Whether ``path`` is an SQLite database in rollback-journal mode, from its
+    header: the first layout never used WAL, and opening a database in WAL mode,
+    read-only too, makes its ``-wal`` and ``-shm`` beside it."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    # Bytes 18 and 19: the versions that write and read it, 1 legacy, 2 WAL.
+    return header[:16] == b"SQLite format 3\0" and header[18:20] == b"\1\1"
+
+
 def first_layout(directory):
     """The files of the first layout in ``directory``: its index (and journal),
-    the cache files its rows name, its temporary files. Empty if none."""
+    the cache files its rows name, its temporary files. Empty if none; another
+    program's ``index.sqlite`` is only read, never opened where SQLite would
+    write beside it."""
     directory = Path(directory)
     index = directory / INDEX
-    if not is_regular(index):
+    if not is_regular(index) or not _rollback_database(index):
         return []
     try:
         db = sqlite3.connect(read_only_uri(index), uri=True)
