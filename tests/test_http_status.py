@@ -19,11 +19,16 @@ from mlx_lm_mla.guards.requests import (
 class Handler:
     """Records what a BaseHTTPRequestHandler would send."""
 
+    stream_options = None  # set from the body before the parameters are checked
+
     def __init__(self):
         self.status, self.wfile = None, io.BytesIO()
 
     def send_response(self, status):
         self.status = status
+
+    def _set_completion_headers(self, status_code=200):
+        self.send_response(status_code)
 
     def send_header(self, name, value):
         pass
