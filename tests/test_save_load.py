@@ -13,6 +13,7 @@ import pytest
 import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
+import mlx_lm_mla
 from mlx_lm_mla import tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
@@ -360,3 +361,54 @@ def test_a_batch_whose_rows_differ_in_precision_is_refused_by_name(installed, tm
     with pytest.raises(ValueError, match="BatchMixedLatentCache .* cannot be saved"):
         save_prompt_cache(str(path), [batch])
     assert not path.exists()
+
+
+def _refused_by_generate_step(model, cache, message):
+    from mlx_lm.generate import generate_step
+
+    with pytest.raises(ValueError, match=message):
+        next(generate_step(mx.array(PROMPT[14:]), model, prompt_cache=cache))
+
+
+def test_a_cache_stock_quantized_is_refused_by_name_for_an_mla_model(installed):
+    model, _ = tiny.build_model("glm4_moe_lite", **tiny.DEMO_WIDTHS)
+    cache = prefilled(model)
+    mlx_lm_mla.uninstall()
+    try:  # what stock's --kv-bits makes of an MLA model's cache
+        cache = [c.to_quantized(group_size=64, bits=4) for c in cache]
+    finally:
+        mlx_lm_mla.install()
+    _refused_by_generate_step(
+        model, cache, r"layer 0 \(QuantizedKVCache\) holds keys and values quantized"
+    )
+
+
+def test_a_cache_of_another_number_of_layers_is_refused_by_name(installed):
+    fewer, _ = tiny.build_model("glm4_moe_lite", num_hidden_layers=1)
+    model, _ = tiny.build_model("glm4_moe_lite", num_hidden_layers=2)
+    _refused_by_generate_step(
+        model, prefilled(fewer), "prompt cache holds 1 layer caches; this model makes 2"
+    )
+
+
+@pytest.mark.parametrize(
+    "source,target,message",
+    [
+        (
+            "deepseek_v32",
+            "deepseek_v3",
+            "layer 0 is a CacheList; this model makes a cache",
+        ),
+        (
+            "deepseek_v3",
+            "deepseek_v32",
+            "layer 0 is a cache; this model makes a CacheList",
+        ),
+    ],
+)
+def test_a_cache_of_another_structure_is_refused_by_name(
+    source, target, message, installed
+):
+    made, _ = tiny.build_model(source)
+    model, _ = tiny.build_model(target)
+    _refused_by_generate_step(model, prefilled(made), message)

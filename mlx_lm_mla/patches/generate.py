@@ -85,22 +85,48 @@ def _latent_widths(model):
     return found_once(model, "widths", find)
 
 
+def _made(model):
+    """Whether each cache the model makes for itself is a ``CacheList``."""
+    from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+    def find():
+        return [isinstance(c, CacheList) for c in make_prompt_cache(model)]
+
+    return found_once(model, "made", find)
+
+
 def cache_mismatch(model, cache):
-    """Why ``cache`` cannot serve ``model``'s MLA layers (per-head K/V, or other
+    """Why ``cache`` cannot serve ``model``'s MLA layers (another number of
+    layers, another structure, per-head K/V, stock's quantized K/V, or other
     widths), or None."""
     import mlx.core as mx
+    from mlx_lm.models.cache import CacheList, QuantizedKVCache
 
     widths = _latent_widths(model) if cache else {}
-    if not widths or len(cache) != len(model.layers):
+    if not widths:
         return None
+    made = _made(model)  # what the cache must be: the model's own
+    if len(cache) != len(made):
+        return (
+            f"prompt cache holds {len(cache)} layer caches; this model makes "
+            f"{len(made)}: the cache is from another model"
+        )
+    for i, listed in enumerate(made):
+        if isinstance(cache[i], CacheList) != listed:
+            kinds = ("a cache", "a CacheList")
+            return (
+                f"prompt cache layer {i} is {kinds[not listed]}; this model makes "
+                f"{kinds[listed]} there: the cache is from another model"
+            )
     for i, (latent, rope, member) in widths.items():
-        c, inner = cache[i], getattr(cache[i], "caches", None)
-        if (
-            member is not None
-            and isinstance(inner, (list, tuple))
-            and len(inner) > member
-        ):
-            c = inner[member]
+        c = cache[i] if member is None else cache[i].caches[member]
+        if isinstance(c, QuantizedKVCache):
+            return (
+                f"prompt cache layer {i} (QuantizedKVCache) holds keys and values "
+                "quantized by stock mlx-lm, which an MLA layer cannot read (a "
+                "cache of another model, or of this one made without mlx-lm-mla); "
+                "make it again with mlx-lm-mla installed"
+            )
         fmt = getattr(c, "_format", None)
         if fmt is not None:
             held = (fmt[2], fmt[4])
