@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 CHECKSUM = "mlx_lm_mla_crc32"
 _FORM = "file-crc32:"
-_BLANK = _FORM + "0" * 8  # the value while the checksum is computed
+BLANK = _FORM + "0" * 8  # the value while the checksum is computed
 # Files saved before the header was covered: a CRC-32 of the data only.
 _DATA_FORM = "crc32:"
 
@@ -47,7 +47,7 @@ class _Sink(io.RawIOBase):
 
 def add_checksum(save, cache, metadata):
     """Puts into ``metadata`` the checksum of what ``save`` writes; returns its size."""
-    metadata[CHECKSUM] = _BLANK
+    metadata[CHECKSUM] = BLANK
     sink = _Sink()
     save(sink, cache, metadata)
     metadata[CHECKSUM] = f"{_FORM}{sink.crc:08x}"
@@ -81,7 +81,8 @@ def check_cache_file(path):
     if crc is None or f"{form}{crc:08x}" != value:
         raise CorruptCacheFile(
             f"prompt cache file {path} is corrupt: its checksum does not match "
-            "its contents (the file changed after it was saved)"
+            "its contents (the file changed after it was saved, or was saved "
+            f"without mlx-lm-mla with the {CHECKSUM} metadata of another file)"
         )
 
 
@@ -94,4 +95,4 @@ def _crc_before_data(value, count, head, header):
         return 0
     if not value.startswith(_FORM) or header.count(quoted) != 1:
         return None
-    return zlib.crc32(head + header.replace(quoted, f'"{_BLANK}"'.encode()))
+    return zlib.crc32(head + header.replace(quoted, f'"{BLANK}"'.encode()))

@@ -5,6 +5,7 @@ patches it there.
 """
 
 import io
+import os
 import random
 import zlib
 
@@ -412,3 +413,80 @@ def test_a_cache_of_another_structure_is_refused_by_name(
     made, _ = tiny.build_model(source)
     model, _ = tiny.build_model(target)
     _refused_by_generate_step(model, prefilled(made), message)
+
+
+def _saved(model, path, **metadata):
+    cache = prefilled(model)
+    save_prompt_cache(str(path), cache, metadata=metadata or None)
+    return cache
+
+
+def test_a_checksum_carried_over_in_the_metadata_is_made_again(installed, tmp_path):
+    # Metadata of a file loaded without the package still holds its checksum.
+    model, _ = tiny.build_model("glm4_moe_lite")
+    path = tmp_path / "c.safetensors"
+    _saved(model, path, **{CHECKSUM: "file-crc32:0badc0de"})
+    assert len(cache_module.load_prompt_cache(str(path))) == len(model.layers)
+
+
+def test_a_save_that_fails_midway_leaves_the_file_that_was_there(
+    installed, tmp_path, monkeypatch
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    path = tmp_path / "c.safetensors"
+    _saved(model, path)
+    good = path.read_bytes()
+
+    real = mx.save_safetensors
+
+    def disk_full(file_name, arrays, metadata=None):
+        if not isinstance(file_name, str):  # the checksum's count
+            return real(file_name, arrays, metadata)
+        with open(file_name, "wb") as f:
+            f.write(good[: len(good) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mx, "save_safetensors", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_prompt_cache(str(path), prefilled(model))
+    assert path.read_bytes() == good and os.listdir(tmp_path) == [path.name]
+
+
+def test_a_save_through_a_link_writes_its_target_and_keeps_its_mode(
+    installed, tmp_path
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    target, link = tmp_path / "target.safetensors", tmp_path / "link.safetensors"
+    _saved(model, target)
+    target.chmod(0o640)
+    link.symlink_to(target.name)
+    _saved(model, link, note="again")
+    assert link.is_symlink() and oct(target.stat().st_mode & 0o777) == "0o640"
+    _, metadata = cache_module.load_prompt_cache(str(link), return_metadata=True)
+    assert metadata == {"note": "again"}
+
+
+def test_a_loaded_cache_holds_the_bytes_that_were_checked(installed, tmp_path):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    path, other = tmp_path / "c.safetensors", tmp_path / "other.safetensors"
+    cache = _saved(model, path)
+    loaded = cache_module.load_prompt_cache(str(path))
+    _saved(tiny.build_model("glm4_moe_lite", seed=1)[0], other)
+    path.write_bytes(other.read_bytes())  # the file changes after the load
+    assert all(mx.array_equal(a.keys, b.keys) for a, b in zip(loaded, cache))
+
+
+def test_a_file_object_loads_as_stock_loads_it(installed, tmp_path):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    path = tmp_path / "c.safetensors"
+    cache = _saved(model, path, note="kept")
+    with open(path, "rb") as f:
+        loaded, metadata = cache_module.load_prompt_cache(f, return_metadata=True)
+    assert metadata == {"note": "kept"}
+    assert all(mx.array_equal(a.keys, b.keys) for a, b in zip(loaded, cache))
+
+
+def test_a_keyword_stock_does_not_take_is_refused_as_stock_refuses_it(installed):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'meta'"):
+        save_prompt_cache("unused.safetensors", prefilled(model), meta={})

@@ -1,14 +1,17 @@
 """Patches on ``save_prompt_cache``/``load_prompt_cache``: a latent cache is saved
 with a checksum, and a damaged file is refused by name instead of loading garbage."""
 
+import contextlib
 import functools
 import json
 import os
+import stat
 import tempfile
+import uuid
 from copy import deepcopy
 
 from ..cache import BatchMixedLatentCache
-from ..checksum import CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
+from ..checksum import BLANK, CHECKSUM, CorruptCacheFile, add_checksum, check_cache_file
 from ..mla import is_latent, leaves
 from .table import FILES, Patch
 
@@ -101,11 +104,34 @@ def table():
     ]
 
 
-def checked_save(original):
-    """``save_prompt_cache`` that stores a checksum with a latent cache (keeping one
-    the caller's metadata holds) and writes zero-size arrays (``EMPTY``)."""
+def _write_whole(original, file_name, cache, metadata):
+    """``original``'s save to a path whole or not at all: into a new file beside
+    it, renamed over it once written, so a failed save (a full disk) leaves the
+    file that was there. A file object is written as it is."""
+    if not isinstance(file_name, (str, os.PathLike)):
+        return original(file_name, cache, metadata)
+    path = os.fspath(file_name)
+    if not path.endswith(".safetensors"):
+        path += ".safetensors"  # as mlx names the file it writes
+    path = os.path.realpath(path)  # a link is kept: its target is written
+    folder, name = os.path.split(path)
+    temp = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.safetensors")
+    try:
+        original(temp, cache, metadata)
+        with contextlib.suppress(FileNotFoundError):  # the mode it had, as stock
+            os.chmod(temp, stat.S_IMODE(os.stat(path).st_mode))
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
-    def save_prompt_cache(file_name, cache, *args, **kwargs):
+
+def checked_save(original):
+    """``save_prompt_cache`` that stores a checksum with a latent cache, writes
+    zero-size arrays (``EMPTY``) and replaces a file only once written whole."""
+
+    def save_prompt_cache(file_name, cache, metadata=None):
         for c in leaves(cache):
             if isinstance(c, BatchMixedLatentCache):
                 # Its state is the rows as read, without their bytes: the file
@@ -123,13 +149,15 @@ def checked_save(original):
                 empty[str(i)] = found
         latent = any(is_latent(c) for c in leaves(cache))
         if not (latent or empty):
-            return original(file_name, cache, *args, **kwargs)
-        metadata = dict((args[0] if args else kwargs.get("metadata")) or {})
+            return original(file_name, cache, metadata)
+        metadata = dict(metadata or {})
         if empty:
             metadata[EMPTY] = json.dumps(empty)
-        if latent and CHECKSUM not in metadata:
+        # This cache's own: a checksum in the caller's metadata may be carried
+        # over from a file loaded without the package. BLANK: one being made.
+        if latent and metadata.get(CHECKSUM) != BLANK:
             add_checksum(original, layers, metadata)
-        original(file_name, layers, metadata)
+        _write_whole(original, file_name, layers, metadata)
 
     save_prompt_cache.mlx_lm_mla_original = original
     return save_prompt_cache
@@ -140,8 +168,17 @@ def checked_load(original):
     drops the package's own metadata."""
 
     def load_prompt_cache(file_name, return_metadata=False):
-        check_cache_file(file_name)
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        # A file object, which safetensors cannot open, is read unchecked.
+        path = isinstance(file_name, (str, os.PathLike))
+        if path:
+            check_cache_file(file_name)
         cache, metadata = original(file_name, return_metadata=True)
+        if path:  # mx.load reads lazily: read now the bytes just checked
+            arrays = tree_flatten([c.state for c in cache])
+            mx.eval([x for _, x in arrays if isinstance(x, mx.array)])
         if isinstance(metadata, dict):
             metadata.pop(CHECKSUM, None)
             record = metadata.pop(EMPTY, None)
