@@ -173,7 +173,11 @@ def attend(original, queries, latent, cache, scale, mask):
     if key not in _CHOSEN:
         path = rule(key)
         if path is None:
-            _CHOSEN[key], out = choose(key, paths)
+            if _traced(queries):  # mx.compile, mx.vmap: nothing can be timed
+                return paths["stock"]()
+            path, out = choose(key, paths)
+            if path is not None:
+                _CHOSEN[key] = path
             return out
         path = "stock" if path in _OFF.get(kind, ()) else path
         _CHOSEN[key] = path
@@ -258,10 +262,28 @@ def _named(key):
     )
 
 
+def _traced(x):
+    """Whether ``x`` is being traced (``mx.compile``, ``mx.vmap``), where it
+    cannot be evaluated: a step there is not one to choose by."""
+    try:
+        mx.eval(x)
+    except ValueError as e:
+        if "transformations" in str(e):
+            return True
+        raise
+    return False
+
+
+def _finite(x):
+    return mx.all(mx.isfinite(x)).item()
+
+
 def choose(key, paths):
     """(path, its output): of the paths that run and agree with float32
     attention on the step's own inputs (as closely as stock, twice its error),
-    the fastest, timed in interleaved repetitions; stock wins a tie."""
+    the fastest, timed in interleaved repetitions; stock wins a tie. A step
+    whose attention is not finite (a NaN in its inputs) is served by stock
+    and chooses nothing: (None, stock's output)."""
     kind = key[0]
     off = _OFF.setdefault(kind, set())
     if "kernel" in paths and "kernel" not in off and not kernel_checked(kind):
@@ -278,6 +300,9 @@ def choose(key, paths):
             e,
         )
         exact, off = None, {"fold", "kernel"}
+    if exact is not None and not (_finite(outs["stock"]) and _finite(exact)):
+        log.info("MLA decode: a step of %s is not finite; stock serves it", kind)
+        return None, outs["stock"]
     for name in ("fold", "kernel"):
         if name in paths and name not in off:
             try:

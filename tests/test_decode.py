@@ -306,6 +306,37 @@ def test_a_slower_fold_serves_no_step(installed, auto):
     assert mx.array_equal(got, stock_short_logits(model)).item()
 
 
+def _sdpa_step(queries, length):
+    import mlx_lm.models.deepseek_v3 as deepseek_v3
+
+    latent = mx.random.normal((1, 1, length, 64), key=mx.random.key(1))
+    mask = mx.zeros((1, queries.shape[1], 1, length))
+    return deepseek_v3.scaled_dot_product_attention(
+        queries, latent, latent, cache=None, scale=0.1, mask=mask
+    )
+
+
+def test_a_step_under_mx_compile_is_stocks_and_chooses_nothing(installed, auto):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+    queries = mx.random.normal((1, 8, 1, 64), key=mx.random.key(0))
+    compiled = mx.compile(lambda q: _sdpa_step(q, 300))
+    got = compiled(queries)
+    assert timed == [] and decode._CHOSEN == {} and decode._OFF == {}
+    assert mx.allclose(got, _sdpa_step(queries, 300), atol=1e-5).item()
+
+
+def test_a_step_that_is_not_finite_turns_no_path_off(installed, auto):
+    seconds, timed = auto
+    seconds.update(stock=2.0, fold=1.0)
+    queries = mx.random.normal((1, 8, 1, 64), key=mx.random.key(0))
+    poisoned = mx.where(mx.arange(64) == 0, mx.nan, queries)
+    assert mx.isnan(_sdpa_step(poisoned, 300)).any().item()
+    assert decode._CHOSEN == {} and not any(decode._OFF.values())
+    _sdpa_step(queries, 300)  # a clean step of the same kind chooses the fold
+    assert set(decode._CHOSEN.values()) == {"fold"}
+
+
 def test_a_faster_fold_serves_every_step(installed, auto, calls):
     seconds, timed = auto
     seconds.update(stock=2.0, fold=1.0)
