@@ -11,13 +11,21 @@ import warnings
 from . import importhook
 
 
+# The words a switch of the package's (MLX_LM_MLA_DISABLE, ...) takes.
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch(name, default):
+    """The environment's switch ``name``: True, False, ``default`` where unset
+    or empty, or None where it is none of ON and OFF."""
+    word = os.environ.get(name, "").strip().lower()
+    if not word:
+        return default
+    return True if word in ON else False if word in OFF else None
+
+
 def disabled() -> bool:
-    return os.environ.get("MLX_LM_MLA_DISABLE", "").strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-    )
+    return switch("MLX_LM_MLA_DISABLE", False) is True
 
 
 def _activate(mlx_lm):
@@ -39,8 +47,17 @@ def _activate(mlx_lm):
 
 def _check_settings():
     """A bad MLX_LM_MLA_DECODE named when the process starts, not first at a
-    request's decode step (which still refuses it)."""
+    request's decode step (which still refuses it); a bad
+    MLX_LM_MLA_CUDA_KERNEL, which leaves the kernel on."""
     from .decode import decode_path
+
+    if switch("MLX_LM_MLA_CUDA_KERNEL", True) is None:
+        value = os.environ["MLX_LM_MLA_CUDA_KERNEL"]
+        warnings.warn(
+            f"mlx-lm-mla: MLX_LM_MLA_CUDA_KERNEL={value!r} is not a switch (use "
+            f"one of {', '.join(ON + OFF)}); the CUDA decode kernel stays on",
+            RuntimeWarning,
+        )
 
     try:
         decode_path()

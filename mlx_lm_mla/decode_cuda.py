@@ -13,15 +13,17 @@ step by it only where it agreed and ran fastest, else by stock or the fold.
 import ctypes
 import logging
 import math
-import os
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
+from .activate import switch
+
 log = logging.getLogger(__name__)
 
-# Off with MLX_LM_MLA_CUDA_KERNEL=0 (or by setting ENABLED), e.g. to compare.
-ENABLED = os.environ.get("MLX_LM_MLA_CUDA_KERNEL", "1") != "0"
+# Off with MLX_LM_MLA_CUDA_KERNEL=0 (or false, no, off; or by setting
+# ENABLED), e.g. to compare; a value that is no switch leaves it on, warned of.
+ENABLED = switch("MLX_LM_MLA_CUDA_KERNEL", True) is not False
 TILE = 16  # positions decoded into shared memory at a time
 # Raw rows a block stages ahead, at most: 2 to 4 tiles in the ring, so while
 # it works on one tile the copies of the next one to three are in flight.

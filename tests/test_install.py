@@ -121,6 +121,35 @@ def test_a_bad_decode_setting_is_named_when_mlx_lm_is_imported():
     assert "MLX_LM_MLA_DECODE='fastest' is not a decode path" in out.stderr
 
 
+def kernel_switched(value):
+    """(decode_cuda.ENABLED, stderr) in a new process with MLX_LM_MLA_CUDA_KERNEL."""
+    code = (
+        "import mlx_lm; from mlx_lm_mla import decode_cuda; print(decode_cuda.ENABLED)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, "MLX_LM_MLA_CUDA_KERNEL": value},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[-1], out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "false", " Off ", "no"])
+def test_each_word_for_off_switches_the_cuda_kernel_off(value):
+    enabled, errors = kernel_switched(value)
+    assert enabled == "False" and "MLX_LM_MLA_CUDA_KERNEL" not in errors
+
+
+def test_a_kernel_setting_that_is_no_switch_is_named_and_leaves_it_on():
+    enabled, errors = kernel_switched("of")
+    assert enabled == "True"
+    assert "MLX_LM_MLA_CUDA_KERNEL='of' is not a switch" in errors
+
+
 def test_a_broken_module_of_the_package_never_breaks_importing_mlx_lm():
     # The start-up hook is watching; the package then loses a name activation needs.
     code = (
