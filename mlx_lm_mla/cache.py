@@ -251,6 +251,8 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
             _drop_format(self)
             return _mixed(self, packed, True).extend(other)
         _same_format([self, other], "extend")
+        for side, like in ((self, other), (other, self)):
+            _rows_like(side, like)
         super().extend(other)
 
     def extract(self, idx):
@@ -278,6 +280,18 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
             batch = _built(cls, batch)
         batch._set_format(*fmt)
         return batch
+
+
+def _rows_like(batch, like):
+    """Gives a side of an extend that holds no rows yet zero-length rows of its
+    own count and ``like``'s bytes: mlx-lm 0.31 makes them float32, which
+    turned the packed latent into floats, and as many as the other side's."""
+    if batch.keys is None and like.keys is not None:
+        n = batch.offset.size
+        batch.keys, batch.values = (
+            mx.zeros((n, x.shape[1], 0, x.shape[3]), x.dtype)
+            for x in (like.keys, like.values)
+        )
 
 
 def _same_format(caches, op):

@@ -378,6 +378,16 @@ def test_an_empty_batch_takes_quantized_rows(installed):
     empty = BatchKVCache([])
     empty.extend(batch_of([5], bits=4))
     assert type(empty) is BatchQuantizedLatentCache and empty.offset.tolist() == [5]
+    # Its rows are the bytes it took, one row (mlx-lm 0.31 pads in floats).
+    assert empty.keys.dtype == mx.uint8 and empty.keys.shape[0] == 1
+
+
+def test_a_quantized_batch_taking_a_row_with_no_positions_keeps_its_bytes(installed):
+    batch = batch_of([8, 5], bits=4)
+    batch.extend(BatchKVCache([0]))  # a new request, nothing cached yet
+    assert batch.packed.keys.dtype == mx.uint8 and batch.packed.keys.shape[0] == 3
+    latent, _ = batch.update_and_fetch(*rows(1, B=3, seed=6))
+    assert latent.shape[0] == 3 and batch.offset.tolist() == [9, 6, 1]
 
 
 def test_batch_trim_is_per_row_and_keeps_masks(installed):
