@@ -260,14 +260,28 @@ def leaves(caches):
 
 
 def mark_model_caches(model, caches):
-    """Marks the caches of a model with no MLA attention as holding no latent."""
+    """Marks the caches of a model with no MLA attention as holding no latent,
+    and an MLA model's as its layers will write them: a cache quantized before
+    its first token (``quantized_kv_start=0``) is then known for a latent."""
     # Nothing is known while uninstalled (a wrapper someone bound by name).
-    if (
-        ATTENTION
-        and isinstance(caches, (list, tuple))
-        and not has_latent_attention(model)
-    ):
+    if not (ATTENTION and isinstance(caches, (list, tuple))):
+        return caches
+    if not has_latent_attention(model):
         for c in leaves(caches):
             if getattr(c, MARK, None) is None:
                 mark(c, False)
+        return caches
+    layers = getattr(model, "layers", [])
+    if len(caches) == len(layers):  # a cache a layer (LongCat-ngram has more)
+        for layer, c in zip(layers, caches):
+            found = latent_modules(layer)
+            if len(found) != 1:  # none, or LongCat's two
+                continue
+            member = ATTENTION[type(found[0])]
+            if member is not None:
+                inner = getattr(c, "caches", None)
+                ok = isinstance(inner, (list, tuple)) and member < len(inner)
+                c = inner[member] if ok else None
+            if c is not None and getattr(c, MARK, None) is None:
+                mark(c)
     return caches

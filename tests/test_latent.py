@@ -121,6 +121,18 @@ def written(model_type="glm4_moe_lite", **overrides):
     return model, cache
 
 
+@pytest.mark.parametrize("model_type", tiny.MLA_MODEL_TYPES)
+def test_a_cache_quantized_before_its_first_token_serves_its_model(
+    model_type, installed
+):
+    # quantized_kv_start=0, as LM Studio's default, before any prompt.
+    model, _ = tiny.build_model(model_type)
+    cache = make_prompt_cache(model)
+    maybe_quantize_kv_cache(cache, 0, 32, 4)
+    assert not any(isinstance(c, QuantizedKVCache) for c in mla.leaves(cache))
+    mx.eval(model(mx.array([PROMPT[:20]]), cache=cache))
+
+
 def test_copies_and_deepcopies_stay_known(installed):
     _, cache = written(**SQUARE)
     for c in (copy.copy(cache[0]), copy.deepcopy(cache[0])):
