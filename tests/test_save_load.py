@@ -490,3 +490,11 @@ def test_a_keyword_stock_does_not_take_is_refused_as_stock_refuses_it(installed)
     model, _ = tiny.build_model("glm4_moe_lite")
     with pytest.raises(TypeError, match="unexpected keyword argument 'meta'"):
         save_prompt_cache("unused.safetensors", prefilled(model), meta={})
+
+
+def test_a_cache_list_without_the_member_the_latent_goes_to_is_refused(installed):
+    model, _ = tiny.build_model("deepseek_v32")
+    cache = [cache_module.CacheList() for _ in model.layers]
+    _refused_by_generate_step(
+        model, cache, "layer 0 is a CacheList of 0; this model writes its latent"
+    )

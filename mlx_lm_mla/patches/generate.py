@@ -119,6 +119,12 @@ def cache_mismatch(model, cache):
                 f"{kinds[listed]} there: the cache is from another model"
             )
     for i, (latent, rope, member) in widths.items():
+        if member is not None and member >= len(cache[i].caches):
+            return (
+                f"prompt cache layer {i} is a CacheList of {len(cache[i].caches)}; "
+                f"this model writes its latent to member {member}: the cache is "
+                "from another model"
+            )
         c = cache[i] if member is None else cache[i].caches[member]
         if isinstance(c, QuantizedKVCache):
             return (
