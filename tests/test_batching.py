@@ -213,3 +213,39 @@ def test_a_row_that_crosses_the_start_first_keeps_every_token_of_a_padded_chunk(
         [o for _, o in row] for row in exact
     ]
     assert {t for row in quantized for t, _ in row} == {"QuantizedLatentCache"}
+
+
+def generating(model, cache):
+    """A generator decoding PROMPTS[0] from ``cache``, two steps in."""
+    gen = BatchGenerator(model, max_tokens=8)
+    uids = gen.insert([PROMPTS[0][4:]], caches=[cache])
+    gen.next_generated()
+    gen.next_generated()
+    return gen, uids
+
+
+def quantized(model, prompt, bits, max_kv_size=None):
+    cache = make_prompt_cache(model, max_kv_size)
+    model(mx.array([prompt[:4]]), cache=cache)
+    for c in cache:
+        c.to_quantized(group_size=32, bits=bits)
+    return cache
+
+
+@pytest.mark.parametrize(
+    "refused,message",
+    [
+        (dict(bits=8), "quantized in more than one format"),
+        (dict(bits=4, max_kv_size=64), "a quantized rolling window"),
+    ],
+)
+def test_a_row_that_cannot_join_the_batch_is_refused_at_insert_and_the_rest_run_on(
+    refused, message, installed
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    gen, uids = generating(model, quantized(model, PROMPTS[0], 4))
+    with pytest.raises(ValueError, match=f"BatchGenerator.insert: .*{message}"):
+        gen.insert([PROMPTS[1][4:]], caches=[quantized(model, PROMPTS[1], **refused)])
+    got, _ = drain(gen, uids)
+    expected, _ = drain(*generating(model, quantized(model, PROMPTS[0], 4)))
+    assert got == expected and len(got[0]) > 0

@@ -210,6 +210,9 @@ class BatchGenerator:
     def _next(self):
         pass
 
+    def insert_segments(self, segments, max_tokens=None, caches=None):
+        pass
+
 
 def test_a_renamed_field_switches_off_its_feature_alone(
     server, all_features, monkeypatch, caplog

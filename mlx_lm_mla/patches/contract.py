@@ -278,10 +278,20 @@ NAMES = (
         GENERATE,
         (KV_BATCHING,),
         ("BatchGenerator.model", Field(), "only an MLA model's batches quantize"),
+        # insert's check reads them too, where they are (patches/generate.py).
         ("BatchGenerator._prompt_batch", Field(), "the rows being prefilled"),
         ("BatchGenerator._generation_batch", Field(), "the rows being decoded"),
         ("PromptProcessingBatch.prompt_cache", Field(), "its caches quantize"),
         ("GenerationBatch.prompt_cache", Field(), "its caches quantize"),
+    ),
+    *_rows(
+        GENERATE,
+        (CACHE_CHECKS,),
+        (
+            "BatchGenerator.insert_segments",
+            Method(("self", "segments", "max_tokens", "caches")),
+            "rows are checked before the generator takes them",
+        ),
     ),
     # --- the server (mlx_lm.server) ------------------------------------------
     # One server's state hangs on its ModelProvider (guards/state.py).

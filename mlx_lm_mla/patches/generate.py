@@ -5,7 +5,11 @@ model's batches under ``--kv-bits`` (applied with the server's patches)."""
 import inspect
 from dataclasses import dataclass
 
-from ..cache import _PackedLatent
+from ..cache import (
+    BatchMixedLatentCache,
+    QuantizedRotatingLatentCache,
+    _PackedLatent,
+)
 from ..guards import state as served
 from ..mla import (
     ATTENTION,
@@ -42,8 +46,71 @@ GENERATE = "mlx_lm.generate"
 
 def table():
     return [
-        Patch(GENERATE, "generate_step", "rebind", checked_generate_step, CACHE_CHECKS)
+        Patch(GENERATE, "generate_step", "rebind", checked_generate_step, CACHE_CHECKS),
+        Patch(
+            GENERATE,
+            "BatchGenerator.insert_segments",
+            "wrap",
+            checked_insert,
+            CACHE_CHECKS,
+        ),
     ]
+
+
+def checked_insert(original):
+    """``BatchGenerator.insert_segments`` (``insert`` calls it) refusing, before
+    the generator takes anything, a row whose cache cannot join a batch: the
+    refusal would otherwise come from a later ``next()``, after the generator
+    moved the row's books, and fail every call after it."""
+
+    def insert_segments(self, segments, max_tokens=None, caches=None, *a, **kw):
+        problem = insert_problem(self, caches)
+        if problem:
+            raise ValueError(f"BatchGenerator.insert: {problem}")
+        return original(self, segments, max_tokens, caches, *a, **kw)
+
+    insert_segments.mlx_lm_mla_original = original
+    return insert_segments
+
+
+def _row(where):
+    return "the rows it holds" if where == "held" else f"row {where}"
+
+
+def insert_problem(generator, caches):
+    """Why rows with ``caches`` cannot be batched with each other and the rows
+    the generator holds, or None: a quantized rolling window is never batched,
+    and one layer's quantized latents batch only in one format."""
+    # The rows it holds, where this mlx-lm keeps them as the contract says
+    # (--kv-bits batching reads them; that feature is off where they are not).
+    batches = (
+        getattr(generator, "_prompt_batch", None),
+        getattr(generator, "_generation_batch", None),
+    )
+    held = [getattr(b, "prompt_cache", None) or [] for b in batches]
+    formats = {}  # layer: {format: where}
+    for where, layers in [*enumerate(caches or []), *(("held", b) for b in held)]:
+        for i, layer in enumerate(layers or []):
+            for c in leaves([layer]):
+                if isinstance(c, BatchMixedLatentCache):
+                    c = c.packed  # its quantized rows
+                if isinstance(c, QuantizedRotatingLatentCache):
+                    return (
+                        f"{_row(where)}: a quantized rolling window "
+                        "(max_kv_size with kv_bits), which is never batched"
+                    )
+                if isinstance(c, _PackedLatent):
+                    formats.setdefault(i, {}).setdefault(c._format, where)
+    for i, found in formats.items():
+        if len(found) > 1:
+            named = "; ".join(
+                f"{_row(w)}: {f[1]} bits, groups of {f[0]}" for f, w in found.items()
+            )
+            return (
+                f"layer {i}'s latent is quantized in more than one format "
+                f"({named}); a batch holds one"
+            )
+    return None
 
 
 def quantizing_next(original):
