@@ -9,19 +9,7 @@ import os
 import warnings
 
 from . import importhook
-
-
-# The words a switch of the package's (MLX_LM_MLA_DISABLE, ...) takes.
-ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def switch(name, default):
-    """The environment's switch ``name``: True, False, ``default`` where unset
-    or empty, or None where it is none of ON and OFF."""
-    word = os.environ.get(name, "").strip().lower()
-    if not word:
-        return default
-    return True if word in ON else False if word in OFF else None
+from .switches import OFF, ON, switch
 
 
 def disabled() -> bool:

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .activate import switch
+from .switches import switch
 
 log = logging.getLogger(__name__)
 
