@@ -51,6 +51,7 @@ HOLDS = {
     "<model-args>.rope_scaling": None,
     "<model-args>.text_config": "<model-args>",
     "<cache>.caches": "list:<cache>",
+    "<cache>[]": "<cache>",  # a CacheList's member, by its __getitem__
     "<cache>.state": None,
     "<attention>.kv_lora_rank": None,
     "<attention>.qk_rope_head_dim": None,
@@ -155,6 +156,7 @@ HOLDS = {
     f"{SERVER}.APIHandler.body": None,
     f"{SERVER}.APIHandler.logit_bias": None,
     f"{SERVER}.APIHandler.stream": None,
+    f"{SERVER}.APIHandler.stream_options": None,
     f"{SERVER}.run(host)": None,
     f"{SERVER}.run(port)": None,
     f"{SERVER}.run(model_provider)": f"{SERVER}.ModelProvider",

@@ -247,6 +247,28 @@ def test_a_model_loaded_again_is_fingerprinted_again_and_its_older_caches_go(
         tier.close()
 
 
+def test_files_that_cannot_be_fingerprinted_keep_the_caches_in_ram_and_load_on(
+    installed, tmp_path, monkeypatch, caplog
+):
+    from mlx_lm_mla.disk import fingerprint
+
+    def unreadable(*args):
+        raise PermissionError(13, "Permission denied", "notes.bin")
+
+    model = tiny.save_demo_model(tmp_path / "model", seed=0)
+    cli_args = server_args(monkeypatch, tmp_path, model)
+    monkeypatch.setattr(fingerprint, "model_digest", unreadable)
+    provider, tier = started(cli_args)  # the load itself goes on
+    try:
+        assert provider.model is not None
+        tier.store(provider.model_key, PROMPT, random_cache(len(PROMPT)))
+        tier.flush()
+        assert cache_files(tmp_path) == []
+    finally:
+        tier.close()
+    assert "could not fingerprint the files of model" in caplog.text
+
+
 # --- a model path is its folder, wherever the server runs ----------------------
 
 

@@ -16,7 +16,7 @@ from mlx_lm_mla.guards import cancellation
 from mlx_lm_mla import tiny
 from mlx_lm_mla.guards.recovery import TRIES
 from mlx_lm_mla.guards.requests import _vocabulary, context_length
-from mlx_lm_mla.guards.reuse import cache_problem
+from mlx_lm_mla.guards.reuse import cache_problem, drafted_length
 
 from conftest import latent_kv
 
@@ -183,6 +183,19 @@ def test_a_no_store_request_s_tokens_neither_fetch_nor_store(installed):
     assert len(store) == 1 and store.fetch_nearest_cache("m", list(key))[1] == [40, 41]
 
 
+def test_a_client_is_not_taken_for_gone_when_no_descriptor_is_left(high_descriptors):
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = next(fd for fd in range(soft) if not _open(fd))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:  # no new descriptor can be made now
+            gone = cancellation._closed(ours)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert gone is False
+
+
 def _socket_at(fd_number, sock):
     """A socket for ``sock``'s connection at descriptor ``fd_number``."""
     os.dup2(sock.fileno(), fd_number)
@@ -229,13 +242,21 @@ def _draft_lagging(tokens, main_lag, draft_lag):
     ]
 
 
-def test_a_draft_models_cache_may_be_a_token_behind(installed):
-    assert cache_problem(_draft_lagging(6, 0, 1), 6, main=2) is None
+@pytest.mark.parametrize("behind", [1, 2])
+def test_a_draft_models_cache_may_be_behind(behind, installed):
+    assert cache_problem(_draft_lagging(6, 0, behind), 6, main=2) is None
 
 
-def test_a_draft_models_cache_two_tokens_behind_is_refused(installed):
-    problem = cache_problem(_draft_lagging(6, 0, 2), 6, main=2)
-    assert problem == "layer 2: KVCache holds 4 tokens, expected 6"
+def test_a_draft_models_cache_ahead_is_refused(installed):
+    problem = cache_problem(_draft_lagging(6, 0, -1), 6, main=2)
+    assert problem == "layer 2: KVCache holds 7 tokens, expected 6"
+
+
+def test_a_drafting_servers_cache_a_token_short_is_kept_for_what_it_holds(installed):
+    tokens = list(range(10, 16))
+    assert drafted_length(_draft_lagging(6, 1, 1), tokens, 2) == 5
+    assert drafted_length(_draft_lagging(6, 0, 1), tokens, 2) == 6
+    assert drafted_length(_draft_lagging(6, 2, 2), tokens, 2) == 6  # refused after
 
 
 def test_the_models_own_cache_may_not_be_behind_where_it_drafts(installed):

@@ -15,7 +15,7 @@ import mlx_lm.models.cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 import mlx_lm_mla
-from mlx_lm_mla import tiny
+from mlx_lm_mla import mla, tiny
 from mlx_lm_mla.mla import is_latent
 from mlx_lm_mla.checksum import CHECKSUM, CorruptCacheFile
 
@@ -486,10 +486,40 @@ def test_a_file_object_loads_as_stock_loads_it(installed, tmp_path):
     assert all(mx.array_equal(a.keys, b.keys) for a, b in zip(loaded, cache))
 
 
-def test_a_keyword_stock_does_not_take_is_refused_as_stock_refuses_it(installed):
+def test_a_keyword_stock_does_not_take_is_refused_as_stock_refuses_it(
+    installed, tmp_path
+):
     model, _ = tiny.build_model("glm4_moe_lite")
     with pytest.raises(TypeError, match="unexpected keyword argument 'meta'"):
-        save_prompt_cache("unused.safetensors", prefilled(model), meta={})
+        save_prompt_cache(str(tmp_path / "c.safetensors"), prefilled(model), meta={})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checked_save_has_stocks_signature(installed):
+    from mlx_lm_mla.patches.contract import signature_problem
+
+    saved = cache_module.save_prompt_cache  # mlx-lm 0.31: metadata={}
+    assert signature_problem(saved, saved.mlx_lm_mla_original) is None
+
+
+def test_a_save_where_no_new_file_can_be_made_writes_in_place(
+    installed, tmp_path, monkeypatch
+):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    path = tmp_path / "c.safetensors"
+    _saved(model, path)
+    real = os.open
+
+    def no_new_file(name, flags, *args):
+        if flags & os.O_EXCL:  # a folder this process may not write in
+            raise PermissionError(13, "Permission denied", name)
+        return real(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_new_file)
+    _saved(model, path, note="in place")
+    monkeypatch.undo()
+    _, metadata = cache_module.load_prompt_cache(str(path), return_metadata=True)
+    assert metadata == {"note": "in place"} and os.listdir(tmp_path) == [path.name]
 
 
 def test_a_cache_list_without_the_member_the_latent_goes_to_is_refused(installed):
@@ -498,3 +528,13 @@ def test_a_cache_list_without_the_member_the_latent_goes_to_is_refused(installed
     _refused_by_generate_step(
         model, cache, "layer 0 is a CacheList of 0; this model writes its latent"
     )
+
+
+def test_a_refused_cache_is_left_as_it_was(installed):
+    full, _ = tiny.build_model("deepseek_v2")
+    mla_model, _ = tiny.build_model("glm4_moe_lite")
+    cache = prefilled(full)  # a cache of another model, handed over by mistake
+    for c in cache:  # as one built by hand: nothing says what it holds
+        vars(c).pop(mla.MARK, None)
+    _refused_by_generate_step(mla_model, cache, "per-head keys and values")
+    assert not any(is_latent(c) for c in cache)

@@ -238,6 +238,16 @@ BAD_REQUESTS = [
         {"messages": HI, "chat_template_kwargs": {"tokenize": False}},
         "chat_template_kwargs must not set tokenize: the server sets it",
     ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "chat_template_kwargs": {"conversation": HI}},
+        "chat_template_kwargs must not set conversation: the server sets it",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "chat_template_kwargs": {"continue_final_message": True}},
+        "chat_template_kwargs.continue_final_message cannot be true",
+    ),
     # A JSON bool where mlx-lm reads an integer: its check takes it for one.
     (
         "/v1/chat/completions",
@@ -368,14 +378,20 @@ def test_a_body_nested_too_deeply_to_parse_gets_400(refused):
 
 def test_stream_options_without_include_usage_streams_without_usage(model_path):
     body = chat_body("hi", max_tokens=8, stream=True)
+    unset = [{}, {"include_usage": None}]
     with Server(model_path) as server:
         replies = [
             raw_post(server.port, "/v1/chat/completions", json.dumps(b).encode())
-            for b in (dict(body, stream_options={}), body)
+            for b in [dict(body, stream_options=o) for o in unset] + [body]
         ]
+        # Upstream reads stream_options only when streaming.
+        unread = dict(body, stream=False, stream_options="x")
+        status, _ = post_json(server.port, "/v1/chat/completions", unread)
     streams = [r.split(b"\r\n\r\n", 1)[1].decode() for r in replies]
-    assert streams[0].rstrip().endswith("data: [DONE]") and '"error"' not in streams[0]
-    assert _texts(streams[0]) == _texts(streams[1])
+    for stream in streams[:2]:
+        assert stream.rstrip().endswith("data: [DONE]") and '"error"' not in stream
+        assert _texts(stream) == _texts(streams[2])
+    assert status == 200
 
 
 def _texts(stream):
@@ -639,15 +655,27 @@ def test_a_request_served_alone_whose_client_leaves_stops(model_path, tmp_path):
     assert len(cancelled) == 1 and int(cancelled[0]) < 2000 and text
 
 
-def test_a_drafting_server_reuses_its_prompt_cache_as_stock_does(model_path):
-    # Speculative decoding leaves the draft model's caches a token behind.
+def test_a_drafting_server_reuses_its_prompt_caches_and_answers_as_without(
+    model_path,
+):
+    # Speculative decoding leaves the draft model's caches behind, and the
+    # model's a token short where it hands out its last token unread.
     drafting = ("--draft-model", model_path, "--num-draft-tokens", 3)
-    cached = {}
-    for disabled in (True, False):
-        with Server(model_path, *drafting, disabled=disabled) as server:
-            usages = [server.chat(SYSTEM, max_tokens=10)[1] for _ in range(3)]
-        cached[disabled] = [cached_tokens(u) for u in usages]
-    assert cached[False] == cached[True] and cached[False][1] > 0
+    again = SYSTEM + " Again."
+    asks = [(SYSTEM, 10)] * 2 + [(again, 12)] * 2 + [(again, 5)] * 2
+    runs = {
+        "uncached": (("--prompt-cache-size", 0), False),
+        "stock": ((), True),
+        "package": ((), False),
+    }
+    texts, cached = {}, {}
+    for name, (flags, disabled) in runs.items():
+        with Server(model_path, *drafting, *flags, disabled=disabled) as server:
+            got = [server.chat(q, max_tokens=n) for q, n in asks]
+        texts[name] = [text for text, _ in got]
+        cached[name] = [cached_tokens(usage) for _, usage in got]
+    assert texts["package"] == texts["uncached"]
+    assert cached["package"] == cached["stock"] and min(cached["package"][1:]) > 0
 
 
 def test_the_servers_own_max_tokens_past_the_context_is_served_as_stock_serves_it(

@@ -11,7 +11,7 @@ import weakref
 from fractions import Fraction
 
 from ..guards import state as served
-from ..guards.reuse import NoStore, cache_problem
+from ..guards.reuse import NoStore, cache_problem, main_layers
 from .folder import SUBFOLDER, NotOurs, Unusable, open_folder
 from .index import BLOCK
 from .tier import DEFAULT_MIN_TOKENS
@@ -174,7 +174,16 @@ def fingerprinted_load(original):
             from .fingerprint import Fingerprint
 
             key = self.model_key
-            _LOADED[self] = Fingerprint(key, loaded_paths(key, cli_args))
+            try:
+                _LOADED[self] = Fingerprint(key, loaded_paths(key, cli_args))
+            except Exception as e:  # the disk never fails a load
+                _LOADED.pop(self, None)
+                logger.warning(
+                    "mlx-lm-mla: could not fingerprint the files of model %s "
+                    "(%r); its prompt caches stay in RAM",
+                    key,
+                    e,
+                )
         return result
 
     load.mlx_lm_mla_original = original
@@ -343,7 +352,7 @@ def insert_to_disk(original):
         if (
             tier is not None
             and not isinstance(tokens, NoStore)
-            and cache_problem(prompt_cache, len(tokens)) is None
+            and cache_problem(prompt_cache, len(tokens), main_layers(model)) is None
         ):
             try:
                 tier.store(model, tokens, prompt_cache)

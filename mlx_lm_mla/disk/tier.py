@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from ..checksum import CorruptCacheFile
-from ..guards.reuse import cache_problem
+from ..guards.reuse import cache_problem, main_layers
 from . import cachefile, older
 from . import index as rows
 from .fingerprint import Fingerprint, cache_digest
@@ -401,7 +401,7 @@ class DiskTier:
         if found is None:
             return None
         name, n, digest, saved = found
-        cache = self._read(name, digest, saved)
+        cache = self._read(name, digest, saved, main_layers(model))
         if cache is None:
             return None
         if n < len(saved) // 4:
@@ -440,7 +440,7 @@ class DiskTier:
         n = _common(saved, prompt)  # the whole prefix, not its hashes only
         return (name, n, found[1], saved) if n >= need else None
 
-    def _read(self, name, digest, saved):
+    def _read(self, name, digest, saved, main=None):
         path = self.folder / name
         expected = {
             "model_digest": digest,
@@ -454,7 +454,7 @@ class DiskTier:
             return None
         try:
             cache = cachefile.read(path, expected)
-            problem = cache_problem(cache, len(saved) // 4)
+            problem = cache_problem(cache, len(saved) // 4, main)
             if problem:
                 raise CorruptCacheFile(problem)
         except FileNotFoundError:

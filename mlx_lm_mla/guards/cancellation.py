@@ -4,6 +4,7 @@ its ``RequestState``; the generation thread ends it at its next reply
 """
 
 import logging
+import select
 import selectors
 import socket
 import threading
@@ -31,15 +32,28 @@ def _name(handler):
     return f"the request {handler.path} from {host}:{port}"
 
 
+def _readable(connection):
+    """Whether ``connection`` has something to read within POLL seconds:
+    ``poll`` takes any descriptor and makes none (``select.select`` refuses
+    descriptors from 1024 on; a selector takes a descriptor a look)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(connection, select.POLLIN)
+        return bool(poller.poll(POLL * 1000))
+    with selectors.DefaultSelector() as selector:
+        selector.register(connection, selectors.EVENT_READ)
+        return bool(selector.select(POLL))
+
+
 def _closed(connection) -> bool:
     """Whether the peer closed ``connection`` (not if it sent more: pipelined)."""
     if connection.fileno() < 0:  # closed on our side
         return True
     try:
-        # A selector, not select.select: that refuses descriptors from 1024 on.
-        with selectors.DefaultSelector() as selector:
-            selector.register(connection, selectors.EVENT_READ)
-            readable = selector.select(POLL)
+        readable = _readable(connection)
+    except OSError:  # no way to look now (descriptors run out): not known gone
+        return False
+    try:
         return (
             bool(readable)
             and connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""

@@ -309,17 +309,17 @@ def parameters_problem(body):
 
 # Keywords the server passes the chat template itself: a request's own
 # chat_template_kwargs naming one fails in the template call (upstream's 404).
-TEMPLATE_OWN = ("tools", "tokenize", "add_generation_prompt")
+TEMPLATE_OWN = ("conversation", "tools", "tokenize", "add_generation_prompt")
 
 
 def _shape_problem(body):
     # Fields upstream reads as objects or lists and fails on otherwise.
     options = body.get("stream_options")
-    if options is not None:
+    if options is not None and body.get("stream"):  # upstream reads it then only
         if not isinstance(options, dict):
             return f"stream_options must be an object, not {_kind(options)}"
-        usage = options.get("include_usage", False)
-        if not isinstance(usage, bool):
+        usage = options.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
             return f"stream_options.include_usage must be true or false, not {_kind(usage)}"
     tools = body.get("tools")
     if tools is not None and not (
@@ -333,6 +333,11 @@ def _shape_problem(body):
         taken = [k for k in TEMPLATE_OWN if k in kwargs]
         if taken:
             return f"chat_template_kwargs must not set {taken[0]}: the server sets it"
+        if kwargs.get("continue_final_message"):  # the template refuses the pair
+            return (
+                "chat_template_kwargs.continue_final_message cannot be true: the "
+                "server asks the template for a generation prompt"
+            )
     return None
 
 
@@ -354,7 +359,7 @@ def refused_parameters(original):
         if problem:
             raise BadRequest(problem)
         options = self.stream_options
-        if isinstance(options, dict) and "include_usage" not in options:
+        if isinstance(options, dict) and options.get("include_usage") is None:
             # OpenAI's default; upstream indexes the key (a KeyError mid-stream).
             self.stream_options = {**options, "include_usage": False}
         try:

@@ -51,11 +51,26 @@ def main_layers(model_key):
     return len(provider.model.layers)
 
 
+def drafted_length(caches, tokens, main):
+    """The tokens a drafting server's cache holds of ``tokens``: speculative
+    decoding hands out its last token before the model has read it, so the
+    model's caches may hold one token fewer; stored under the tokens they
+    hold, they serve the next request rightly (stock's key claims one more)."""
+    held = {
+        c.offset
+        for c in leaves(caches[:main])
+        if isinstance(getattr(c, "offset", None), int)
+    }
+    if len(held) == 1 and 0 < held.pop() == len(tokens) - 1:
+        return len(tokens) - 1
+    return len(tokens)
+
+
 def cache_problem(caches, length, main=None):
     """Why a prompt cache does not hold exactly ``length`` tokens, or None. Only
     mlx-lm's cache classes must have a state of arrays: others define their own.
     Entries from ``main`` on are a draft model's: speculative decoding leaves
-    them one token behind, which costs drafting, never a wrong token."""
+    them behind (a token or more), which costs drafting, never a wrong token."""
     if not isinstance(caches, (list, tuple)) or not caches:
         return f"not a list of layer caches: {type(caches).__name__}"
     i = 0
@@ -77,7 +92,7 @@ def _layer_problem(c, length, draft):
     name = type(c).__name__
     offset = getattr(c, "offset", None)
     if isinstance(offset, int) and offset != length:
-        if not (draft and offset == length - 1):
+        if not (draft and 0 <= offset < length):
             return f"{name} holds {offset} tokens, expected {length}"
     if getattr(cache_module, name, None) is not type(c):
         return None
@@ -150,7 +165,10 @@ def guarded_insert(original):
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         if isinstance(tokens, NoStore):
             return  # the cache of a "cache_prompt": false request
-        problem = cache_problem(prompt_cache, len(tokens), main_layers(model))
+        main = main_layers(model)
+        if main is not None:
+            tokens = tokens[: drafted_length(prompt_cache, tokens, main)]
+        problem = cache_problem(prompt_cache, len(tokens), main)
         if problem:
             logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)
             return

@@ -3,6 +3,7 @@ with a checksum, and a damaged file is refused by name instead of loading garbag
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import stat
@@ -117,6 +118,10 @@ def _write_whole(original, file_name, cache, metadata):
     folder, name = os.path.split(path)
     temp = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.safetensors")
     try:
+        os.close(os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    except OSError:  # a folder it may not write in: in place, as stock writes
+        return original(file_name, cache, metadata)
+    try:
         original(temp, cache, metadata)
         with contextlib.suppress(FileNotFoundError):  # the mode it had, as stock
             os.chmod(temp, stat.S_IMODE(os.stat(path).st_mode))
@@ -130,8 +135,10 @@ def _write_whole(original, file_name, cache, metadata):
 def checked_save(original):
     """``save_prompt_cache`` that stores a checksum with a latent cache, writes
     zero-size arrays (``EMPTY``) and replaces a file only once written whole."""
+    # Its own default (0.31: {}, 0.32: None): the signature stays stock's.
+    default = inspect.signature(original).parameters["metadata"].default
 
-    def save_prompt_cache(file_name, cache, metadata=None):
+    def save_prompt_cache(file_name, cache, metadata=default):
         for c in leaves(cache):
             if isinstance(c, BatchMixedLatentCache):
                 # Its state is the rows as read, without their bytes: the file

@@ -236,14 +236,14 @@ def checked_generate_step(original):
     def generate_step(prompt, model, *args, **kwargs):
         cache = kwargs.get("prompt_cache")
         if isinstance(cache, (list, tuple)):
-            mark_model_caches(model, cache)
             bits = kwargs.get("kv_bits")
             group_size = kwargs.get("kv_group_size", default_group_size)
             problem = cache_mismatch(model, cache) or settings_mismatch(
                 cache, bits, group_size
             )
             if problem:
-                raise ValueError(problem)
+                raise ValueError(problem)  # before marking what is not its own
+            mark_model_caches(model, cache)
         return original(prompt, model, *args, **kwargs)
 
     generate_step.mlx_lm_mla_original = original
