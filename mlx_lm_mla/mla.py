@@ -120,18 +120,36 @@ def find_attention(models_dir):
     return found, unclear
 
 
+def sibling_imports(tree):
+    """The modules of its own package a source imports: ``from .m import X`` and
+    ``from . import m, n`` (the form mistral3 uses)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module is None:
+                found.update(alias.name for alias in node.names)
+            else:
+                found.add(node.module.split(".")[0])
+    return found
+
+
 def model_types(models_dir):
-    """{model type: the module of its MLA attention}, wrappers included (Kimi-VL
-    imports DeepSeek-V3's)."""
+    """{model type: the module of its MLA attention}, wrappers included: a model
+    module that imports an MLA one (Kimi-VL imports DeepSeek-V3's). A wrapper may
+    build another language model too (mistral3 builds llama, ministral3 or
+    mistral4 as its config says): which models are MLA is decided per built
+    model, by its layers (``has_latent_attention``)."""
     found, _ = find_attention(models_dir)
     types = {m: m for m, _, _ in found}
+    mla_modules = set(types.values())
     for path in sorted(Path(models_dir).glob("*.py")):
         if path.stem in types:
             continue
-        source = path.read_text(encoding="utf-8")
-        inner = [
-            m for m in sorted(set(types.values())) if f"from .{m} import" in source
-        ]
+        try:
+            imported = sibling_imports(source_tree(str(path)))
+        except SyntaxError:  # not a model mlx-lm can import either
+            continue
+        inner = sorted(imported & mla_modules)
         if inner:
             types[path.stem] = inner[0]
     return dict(sorted(types.items()))

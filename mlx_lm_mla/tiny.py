@@ -435,6 +435,9 @@ _STAND_IN_CONFIGS = {
 
 # Vision-language wrappers that read the language model from text_config.
 _NESTED = ("kimi_vl", "kimi_k25")
+# Wrappers whose text_config names the language model they build: its own
+# config, with its model_type.
+_WRAPPED = {"mistral3": "mistral4"}
 
 # transformers reads config.json when it loads the tokenizer, and otherwise
 # fills in the real models' token ids, which fall outside the tiny vocab.
@@ -456,6 +459,14 @@ FULL_KV_MODEL_TYPES = tuple(t for t in _FULL_KV_CONFIGS if _installed(t))
 def tiny_config(model_type: str, **overrides) -> dict:
     """A small config.json dict for ``model_type``; ``overrides`` replace keys of
     the language model config (under ``text_config`` for the VL wrappers)."""
+    if model_type in _WRAPPED:
+        inner = _WRAPPED[model_type]
+        if model_type not in MLA_MODEL_TYPES:  # mlx-lm 0.31's mistral3: no mistral4
+            raise ValueError(
+                f"This mlx-lm's {model_type} does not build a {inner} language model"
+            )
+        text = tiny_config(inner, **overrides)
+        return {"model_type": model_type, "text_config": text, **_TOKEN_IDS}
     make = (
         _MLA_CONFIGS.get(model_type)
         or _FULL_KV_CONFIGS.get(model_type)

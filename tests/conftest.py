@@ -54,6 +54,23 @@ def step_logits(model, tokens, prefill, bits=None):
     return mx.concatenate(steps, axis=1)
 
 
+def mistral3_of(text_type, seed=0):
+    """``(model, config)``: mlx-lm's mistral3 around the tiny ``text_type``
+    model, whose config (with its model_type) is mistral3's text_config dict."""
+    import copy
+
+    from mlx_lm.utils import _get_classes
+
+    from mlx_lm_mla import tiny
+
+    config = {"model_type": "mistral3", "text_config": tiny.tiny_config(text_type)}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(copy.deepcopy(config)))
+    mx.eval(model.parameters())
+    return model, config
+
+
 def swap_layers_in_header(raw):
     """A safetensors file's bytes with layer 0's and layer 1's first arrays
     swapped in its header: valid JSON of the same length, a wrong cache."""

@@ -13,6 +13,8 @@ from mlx_lm_mla import QuantizedLatentCache, mla
 from mlx_lm_mla import tiny
 from mlx_lm_mla.testing.replay import generated
 
+from conftest import mistral3_of
+
 PROMPT = [(5 * i + 7) % 190 + 5 for i in range(40)]
 SQUARE = {"kv_lora_rank": 64, "qk_rope_head_dim": 64}  # latent as wide as its RoPE key
 # A model that caches full K/V with one head: keys 64 wide, values 32.
@@ -55,6 +57,48 @@ class Twice:
         return cache[1].update_and_fetch(x, x)
 """
     assert mla.scan_source(source) == ({"Sparse": 1}, ["Twice"])
+
+
+def test_a_model_that_imports_an_mla_model_is_an_mla_model_type(tmp_path):
+    attention = """
+class Attention:
+    def __init__(self):
+        self.kv_lora_rank, self.embed_q = 8, None
+    def __call__(self, x, cache=None):
+        return cache.update_and_fetch(x, x)
+"""
+    sources = {
+        "latent.py": attention,
+        "plain.py": "class Attention:\n    pass\n",
+        "by_name.py": "from .latent import Attention\n",
+        "by_module.py": "from . import plain, latent\n",  # mistral3's form
+        "plain_wrapper.py": "from . import plain\nfrom .plain import Attention\n",
+    }
+    for name, source in sources.items():
+        (tmp_path / name).write_text(source)
+    assert mla.model_types(tmp_path) == {
+        "by_module": "latent",
+        "by_name": "latent",
+        "latent": "latent",
+    }
+
+
+def test_a_mistral3_around_a_model_without_mla_is_left_to_stock(installed):
+    model, _ = mistral3_of("llama")
+    assert not mla.has_latent_attention(model)
+    cache = make_prompt_cache(model)
+    got = generate(model, cache, PROMPT, bits=4, group_size=32)
+    assert all(type(c) is QuantizedKVCache for c in cache)
+    from mlx_lm_mla import uninstall, install
+
+    uninstall()
+    try:
+        expected = generate(
+            model, make_prompt_cache(model), PROMPT, bits=4, group_size=32
+        )
+    finally:
+        install()
+    assert got == expected
 
 
 def test_a_latent_as_wide_as_its_rope_key_is_quantized_across_requests(installed):
