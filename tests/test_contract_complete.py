@@ -176,12 +176,15 @@ RETURNS = {
     "mlx_lm_mla.mla.leaves": "list:<cache>",
     "mlx_lm_mla.mla.latent_modules": "list:<attention>",
     "mlx_lm_mla.tiny._mlx_lm_utils": "mlx_lm.utils",
+    "mlx_lm_mla.guards.requests._language_args": "<model-args>",
 }
 
 # Reads that are no row, and why.
 NO_ROW = {
     "mlx_lm.__version__": "the release every row is checked against",
     "mlx_lm.models.__file__": "where the MLA models' sources are read",
+    "<model-args>.get": "a text_config that is a dict (mistral3's): config.json's "
+    "own keys, read as data",
 }
 
 

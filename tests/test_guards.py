@@ -18,7 +18,7 @@ from mlx_lm_mla.guards.recovery import TRIES
 from mlx_lm_mla.guards.requests import _vocabulary, context_length
 from mlx_lm_mla.guards.reuse import cache_problem, drafted_length
 
-from conftest import latent_kv
+from conftest import latent_kv, mistral3_of
 
 TOKENS = list(range(10, 30))
 
@@ -290,6 +290,22 @@ def test_a_context_the_config_gives_scaled_is_taken_as_it_is():
 def test_a_wrapped_language_models_settings_are_read_from_its_text_config():
     model, config = tiny.build_model("kimi_vl")
     text = config["text_config"]
+    assert context_length(model) == text["max_position_embeddings"]
+    provider = Namespace(model=model)
+    assert _vocabulary(Namespace(model_provider=provider), None) == text["vocab_size"]
+
+
+# mistral3 keeps its text_config a dict, whichever language model it builds.
+MISTRAL3_TEXT = ["llama"] + (["mistral4"] if "mistral3" in tiny.MLA_MODEL_TYPES else [])
+
+
+@pytest.mark.parametrize("text_type", MISTRAL3_TEXT)
+def test_a_wrapped_language_models_settings_are_read_from_a_text_config_dict(
+    text_type,
+):
+    model, config = mistral3_of(text_type)
+    text = config["text_config"]
+    assert isinstance(model.args.text_config, dict)
     assert context_length(model) == text["max_position_embeddings"]
     provider = Namespace(model=model)
     assert _vocabulary(Namespace(model_provider=provider), None) == text["vocab_size"]

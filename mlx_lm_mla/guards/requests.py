@@ -66,19 +66,27 @@ def content_problem(content):
 CEILING = 1 << 20
 
 
+def _language_args(model):
+    """The language model's arguments: the model's own, or a wrapper's
+    ``text_config``: an object (Kimi-VL, Kimi K2.5) or a dict (mistral3)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    return args if text is None else text
+
+
 def context_length(model):
     """The tokens the model's positions reach, or None where its config does not
     say: ``max_position_embeddings``, or where RoPE scaling stretches it past
     that, its original length times the factor (Qwen's YaRN set-up keeps the
     unscaled length there; DeepSeek's gives the scaled one)."""
-    args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)
-    if text is not None and not isinstance(text, dict):
-        args = text  # Kimi-VL's and Kimi K2.5's language model's own
-    length = getattr(args, "max_position_embeddings", None)
+    args = _language_args(model)
+    if isinstance(args, dict):  # mistral3's text_config
+        length, scaling = args.get("max_position_embeddings"), args.get("rope_scaling")
+    else:
+        length = getattr(args, "max_position_embeddings", None)
+        scaling = getattr(args, "rope_scaling", None)
     if not isinstance(length, int):
         return None
-    scaling = getattr(args, "rope_scaling", None)
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
     if isinstance(factor, (int, float)) and factor > 1:
         original = scaling.get("original_max_position_embeddings", length)
@@ -177,12 +185,11 @@ def tokens_problem(generator, server, tokenizer, args, prompt, state):
 
 def _vocabulary(generator, tokenizer):
     # The logits' width: the model's vocabulary, else the tokenizer's.
-    model = generator.model_provider.model
-    args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)
-    if text is not None and not isinstance(text, dict):
-        args = text  # as context_length reads it
-    size = getattr(args, "vocab_size", None)
+    args = _language_args(generator.model_provider.model)
+    if isinstance(args, dict):  # mistral3's text_config
+        size = args.get("vocab_size")
+    else:
+        size = getattr(args, "vocab_size", None)
     if isinstance(size, int):
         return size
     try:

@@ -448,14 +448,19 @@ NAMES = (
             ),
         )
     ),
-    *_rows(
-        "mlx_lm.models.kimi_vl",
-        (REQUEST_CHECKS,),
-        (
-            "ModelArgs.text_config",
-            Field(),
-            "the language model's arguments: its context and vocabulary",
-        ),
+    *(
+        row
+        for module in ("mlx_lm.models.kimi_vl", "mlx_lm.models.mistral3")
+        for row in _rows(
+            module,
+            (REQUEST_CHECKS,),
+            (
+                "ModelArgs.text_config",
+                Field(),
+                "the language model's arguments (mistral3's: a dict): its context "
+                "and vocabulary",
+            ),
+        )
     ),
     # --- mlx and the standard library -----------------------------------------
     *_rows(
