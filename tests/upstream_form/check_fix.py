@@ -36,6 +36,7 @@ RELEASED_WITHOUT_MAKE_CACHE = {
     "glm4_moe_lite",
     "kimi_k25",
     "kimi_vl",
+    "mistral3",
     "mistral4",
 }
 
