@@ -84,7 +84,9 @@ def test_quantized_latent_cache_runs_every_architecture(model_type, bits, instal
 
 
 WINDOWED = [
-    t for t in ("glm4_moe_lite", "deepseek_v3", "mistral4") if t in tiny.MLA_MODEL_TYPES
+    t
+    for t in ("glm4_moe_lite", "deepseek_v3", "mistral3", "mistral4")
+    if t in tiny.MLA_MODEL_TYPES
 ]
 
 
