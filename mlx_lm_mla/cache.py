@@ -284,8 +284,8 @@ class BatchQuantizedLatentCache(_PackedLatent, BatchKVCache):
 
 def _rows_like(batch, like):
     """Gives a side of an extend that holds no rows yet zero-length rows of its
-    own count and ``like``'s bytes: mlx-lm 0.31 makes them float32, which
-    turned the packed latent into floats, and as many as the other side's."""
+    own count and ``like``'s dtype: mlx-lm 0.31 makes them float32 (a packed
+    latent's bytes became floats) and as many as the other side's."""
     if batch.keys is None and like.keys is not None:
         n = batch.offset.size
         batch.keys, batch.values = (
@@ -505,6 +505,8 @@ class BatchMixedLatentCache(BatchKVCache):
             packed = quantize_latent(_twin(other), *_settings(self), like=self.packed)
             plain, flags = other, _flags([False] * other.offset.size)
         _same_format([self.packed, packed], "extend")  # before any row moves
+        for side, like in ((self, plain), (plain, self)):
+            _rows_like(side, like)  # as the packed rows: mlx-lm 0.31's count
         BatchKVCache.extend(self, plain)
         self.packed.extend(packed)
         self.quantized = mx.concatenate([self.quantized, flags])

@@ -249,3 +249,18 @@ def test_a_row_that_cannot_join_the_batch_is_refused_at_insert_and_the_rest_run_
     got, _ = drain(gen, uids)
     expected, _ = drain(*generating(model, quantized(model, PROMPTS[0], 4)))
     assert got == expected and len(got[0]) > 0
+
+
+def test_a_row_that_cannot_join_a_row_still_queued_is_refused_at_insert(installed):
+    model, _ = tiny.build_model("glm4_moe_lite")
+    gen = BatchGenerator(model, max_tokens=8)
+    uids = gen.insert([PROMPTS[0][4:]], caches=[quantized(model, PROMPTS[0], 4)])
+    with pytest.raises(ValueError, match="quantized in more than one format"):
+        gen.insert([PROMPTS[1][4:]], caches=[quantized(model, PROMPTS[1], 8)])
+    got, _ = drain(gen, uids)  # the row queued first is served, nothing broke
+    assert got == [alone_from(model, quantized(model, PROMPTS[0], 4), PROMPTS[0][4:])]
+
+
+def alone_from(model, cache, rest, n=8):
+    steps = generate_step(mx.array(rest), model, max_tokens=n, prompt_cache=cache)
+    return [t for t, _ in steps]

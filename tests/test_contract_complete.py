@@ -114,6 +114,7 @@ HOLDS = {
     "mlx_lm.generate.generate_step(kv_group_size)": None,
     "mlx_lm.generate.generate_step()[][0]": None,
     "mlx_lm.generate.BatchGenerator.model": "<model>",
+    "mlx_lm.generate.BatchGenerator._unprocessed_sequences": None,  # tuples
     "mlx_lm.generate.BatchGenerator._prompt_batch": (
         "mlx_lm.generate.PromptProcessingBatch"
     ),

@@ -320,3 +320,32 @@ def test_a_request_whose_watch_cannot_start_a_thread_runs_unwatched(monkeypatch)
     with ours, peer:
         with cancellation.Watch(ours, Namespace(client_gone=None), "r") as watch:
             assert watch.state.client_gone is None
+
+
+def test_a_wrapped_mistral4_counts_its_scaled_context_as_the_bare_one_does():
+    text = tiny.tiny_config("mistral4")  # rope_parameters: 4 positions, x 8
+    text["rope_parameters"] = dict(text["rope_parameters"], factor=8.0)
+    bare, _ = tiny.build_model("mistral4", rope_parameters=text["rope_parameters"])
+    wrapped, _ = tiny.build_model("mistral3", rope_parameters=text["rope_parameters"])
+    assert context_length(bare) == context_length(wrapped) == 32
+
+
+def test_a_drafting_servers_cache_goes_to_disk_under_the_tokens_it_holds(installed):
+    import mlx_lm.server as server
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_mla.guards import state as served
+
+    model, _ = tiny.build_model("glm4_moe_lite")
+    draft, _ = tiny.build_model("glm4_moe_lite", seed=1)
+    key, tokens = ("model", None, "draft"), TOKENS
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    main = len(model.layers)
+    model(mx.array([tokens[:-1]]), cache=cache[:main])  # the last token unread
+    draft(mx.array([tokens[:-3]]), cache=cache[main:])  # the draft further behind
+    stored = []
+    tier = Namespace(store=lambda model_key, held, caches: stored.append(len(held)))
+    provider = Namespace(draft_model=draft, model_key=key, model=model)
+    with served.running(Namespace(provider=provider, tier=tier)):
+        server.LRUPromptCache().insert_cache(key, list(tokens), cache)
+    assert stored == [len(tokens) - 1]

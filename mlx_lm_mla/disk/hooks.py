@@ -11,7 +11,7 @@ import weakref
 from fractions import Fraction
 
 from ..guards import state as served
-from ..guards.reuse import NoStore, cache_problem, main_layers
+from ..guards.reuse import NoStore, cache_problem, stored_key
 from .folder import SUBFOLDER, NotOurs, Unusable, open_folder
 from .index import BLOCK
 from .tier import DEFAULT_MIN_TOKENS
@@ -349,11 +349,10 @@ def insert_to_disk(original):
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         result = original(self, model, tokens, prompt_cache, *args, **kwargs)
         tier = _tier()
-        if (
-            tier is not None
-            and not isinstance(tokens, NoStore)
-            and cache_problem(prompt_cache, len(tokens), main_layers(model)) is None
-        ):
+        if tier is None or isinstance(tokens, NoStore):
+            return result
+        tokens, main = stored_key(model, tokens, prompt_cache)  # as RAM stores it
+        if cache_problem(prompt_cache, len(tokens), main) is None:
             try:
                 tier.store(model, tokens, prompt_cache)
             except Exception as e:

@@ -80,8 +80,9 @@ def context_length(model):
     that, its original length times the factor (Qwen's YaRN set-up keeps the
     unscaled length there; DeepSeek's gives the scaled one)."""
     args = _language_args(model)
-    if isinstance(args, dict):  # mistral3's text_config
-        length, scaling = args.get("max_position_embeddings"), args.get("rope_scaling")
+    if isinstance(args, dict):  # mistral3's text_config, as mistral4 reads it
+        length = args.get("max_position_embeddings")
+        scaling = args.get("rope_parameters") or args.get("rope_scaling")
     else:
         length = getattr(args, "max_position_embeddings", None)
         scaling = getattr(args, "rope_scaling", None)

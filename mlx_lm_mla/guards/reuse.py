@@ -51,6 +51,15 @@ def main_layers(model_key):
     return len(provider.model.layers)
 
 
+def stored_key(model, tokens, caches):
+    """(the tokens a cache is stored under, where its model's layers end):
+    ``tokens``, or on a drafting server the ones its model's caches hold."""
+    main = main_layers(model)
+    if main is not None:
+        tokens = tokens[: drafted_length(caches, tokens, main)]
+    return tokens, main
+
+
 def drafted_length(caches, tokens, main):
     """The tokens a drafting server's cache holds of ``tokens``: speculative
     decoding hands out its last token before the model has read it, so the
@@ -165,9 +174,7 @@ def guarded_insert(original):
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         if isinstance(tokens, NoStore):
             return  # the cache of a "cache_prompt": false request
-        main = main_layers(model)
-        if main is not None:
-            tokens = tokens[: drafted_length(prompt_cache, tokens, main)]
+        tokens, main = stored_key(model, tokens, prompt_cache)
         problem = cache_problem(prompt_cache, len(tokens), main)
         if problem:
             logger.warning("mlx-lm-mla: refused to store a prompt cache: %s", problem)

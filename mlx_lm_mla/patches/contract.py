@@ -280,6 +280,11 @@ NAMES = (
         ("BatchGenerator.model", Field(), "only an MLA model's batches quantize"),
         # insert's check reads them too, where they are (patches/generate.py).
         ("BatchGenerator._prompt_batch", Field(), "the rows being prefilled"),
+        (
+            "BatchGenerator._unprocessed_sequences",
+            Field(),
+            "the rows queued: insert checks their caches (an entry's fourth)",
+        ),
         ("BatchGenerator._generation_batch", Field(), "the rows being decoded"),
         ("PromptProcessingBatch.prompt_cache", Field(), "its caches quantize"),
         ("GenerationBatch.prompt_cache", Field(), "its caches quantize"),

@@ -82,12 +82,15 @@ def insert_problem(generator, caches):
     the generator holds, or None: a quantized rolling window is never batched,
     and one layer's quantized latents batch only in one format."""
     # The rows it holds, where this mlx-lm keeps them as the contract says
-    # (--kv-bits batching reads them; that feature is off where they are not).
+    # (--kv-bits batching reads them; that feature is off where they are not):
+    # queued ones (a row's cache is its entry's fourth), and batched ones.
     batches = (
         getattr(generator, "_prompt_batch", None),
         getattr(generator, "_generation_batch", None),
     )
-    held = [getattr(b, "prompt_cache", None) or [] for b in batches]
+    queued = getattr(generator, "_unprocessed_sequences", ())
+    held = [entry[3] or [] for entry in queued]
+    held += [getattr(b, "prompt_cache", None) or [] for b in batches]
     formats = {}  # layer: {format: where}
     for where, layers in [*enumerate(caches or []), *(("held", b) for b in held)]:
         for i, layer in enumerate(layers or []):
