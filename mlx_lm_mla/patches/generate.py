@@ -189,13 +189,14 @@ def cache_mismatch(model, cache):
                 f"{kinds[listed]} there: the cache is from another model"
             )
     for i, (latent, rope, member) in widths.items():
-        if member is not None and member >= len(cache[i].caches):
+        inner = getattr(cache[i], "caches", ()) if member is not None else None
+        if inner is not None and member >= len(inner):
             return (
-                f"prompt cache layer {i} is a CacheList of {len(cache[i].caches)}; "
-                f"this model writes its latent to member {member}: the cache is "
-                "from another model"
+                f"prompt cache layer {i} is a CacheList of {len(inner)}; this "
+                f"model writes its latent to member {member}: the cache is from "
+                "another model"
             )
-        c = cache[i] if member is None else cache[i].caches[member]
+        c = cache[i] if inner is None else inner[member]
         if isinstance(c, QuantizedKVCache):
             return (
                 f"prompt cache layer {i} (QuantizedKVCache) holds keys and values "
