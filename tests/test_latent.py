@@ -83,14 +83,13 @@ class Attention:
     }
 
 
-def test_a_mistral3_around_a_model_without_mla_is_left_to_stock(installed):
-    model, _ = mistral3_of("llama")
-    assert not mla.has_latent_attention(model)
+def assert_left_to_stock(model):
+    """``model`` under kv_bits gets stock's QuantizedKVCache and stock's tokens."""
+    from mlx_lm_mla import install, uninstall
+
     cache = make_prompt_cache(model)
     got = generate(model, cache, PROMPT, bits=4, group_size=32)
     assert all(type(c) is QuantizedKVCache for c in cache)
-    from mlx_lm_mla import uninstall, install
-
     uninstall()
     try:
         expected = generate(
@@ -99,6 +98,12 @@ def test_a_mistral3_around_a_model_without_mla_is_left_to_stock(installed):
     finally:
         install()
     assert got == expected
+
+
+def test_a_mistral3_around_a_model_without_mla_is_left_to_stock(installed):
+    model, _ = mistral3_of("llama")
+    assert not mla.has_latent_attention(model)
+    assert_left_to_stock(model)
 
 
 def test_a_latent_as_wide_as_its_rope_key_is_quantized_across_requests(installed):
@@ -130,19 +135,7 @@ def test_a_one_head_model_without_mla_keeps_stocks_quantized_cache(
     model_type, overrides, installed
 ):
     model, _ = tiny.build_model(model_type, **overrides)
-    cache = make_prompt_cache(model)
-    got = generate(model, cache, PROMPT, bits=4, group_size=32)
-    assert all(type(c) is QuantizedKVCache for c in cache)
-    from mlx_lm_mla import uninstall, install
-
-    uninstall()
-    try:
-        expected = generate(
-            model, make_prompt_cache(model), PROMPT, bits=4, group_size=32
-        )
-    finally:
-        install()
-    assert got == expected
+    assert_left_to_stock(model)
 
 
 def test_a_restored_cache_of_a_model_without_mla_keeps_stocks_quantized_cache(
