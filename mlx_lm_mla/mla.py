@@ -8,6 +8,7 @@ its model has none; unmarked (bare, or restored from a file): ``is_latent_layout
 """
 
 import ast
+import re
 import functools
 import importlib
 import inspect
@@ -144,6 +145,11 @@ def model_types(models_dir):
     mla_modules = set(types.values())
     for path in sorted(Path(models_dir).glob("*.py")):
         if path.stem in types:
+            continue
+        # Parsed only where an MLA module is named: a parse of every model
+        # file would cost a second at every import of mlx_lm.
+        text = path.read_text(encoding="utf-8")
+        if not any(re.search(rf"\b{m}\b", text) for m in mla_modules):
             continue
         try:
             imported = sibling_imports(source_tree(str(path)))
