@@ -8,10 +8,10 @@ its model has none; unmarked (bare, or restored from a file): ``is_latent_layout
 """
 
 import ast
-import re
 import functools
 import importlib
 import inspect
+import re
 import textwrap
 import weakref
 from pathlib import Path
@@ -266,6 +266,21 @@ def found_once(model, name, find):
     return found[name]
 
 
+def latent_layers(model):
+    """{layer index: its MLA attention module} of the layers with one (LongCat's
+    two-module layers are left out), found once a model."""
+
+    def find():
+        found = {}
+        for i, layer in enumerate(getattr(model, "layers", [])):
+            mods = latent_modules(layer)
+            if len(mods) == 1:
+                found[i] = mods[0]
+        return found
+
+    return found_once(model, "latent_layers", find)
+
+
 def has_latent_attention(model) -> bool:
     return found_once(
         model,
@@ -295,13 +310,10 @@ def mark_model_caches(model, caches):
             if getattr(c, MARK, None) is None:
                 mark(c, False)
         return caches
-    layers = getattr(model, "layers", [])
-    if len(caches) == len(layers):  # a cache a layer (LongCat-ngram has more)
-        for layer, c in zip(layers, caches):
-            found = latent_modules(layer)
-            if len(found) != 1:  # none, or LongCat's two
-                continue
-            member = ATTENTION[type(found[0])]
+    if len(caches) == len(getattr(model, "layers", [])):  # LongCat-ngram has more
+        for i, module in latent_layers(model).items():
+            c = caches[i]
+            member = ATTENTION[type(module)]
             if member is not None:
                 inner = getattr(c, "caches", None)
                 ok = isinstance(inner, (list, tuple)) and member < len(inner)

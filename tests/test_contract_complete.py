@@ -176,6 +176,7 @@ HOLDS = {
 RETURNS = {
     "mlx_lm_mla.mla.leaves": "list:<cache>",
     "mlx_lm_mla.mla.latent_modules": "list:<attention>",
+    "mlx_lm_mla.mla.latent_layers": "list:<attention>",  # a dict: {index: module}
     "mlx_lm_mla.tiny._mlx_lm_utils": "mlx_lm.utils",
     "mlx_lm_mla.guards.requests._language_args": "<model-args>",
 }
@@ -501,6 +502,8 @@ class Reads:
             base = self.kind(func.value, env)
             if func.attr == "get" and base and base.endswith("(**)") and text:
                 return self.holds(f"{base[:-3]}{text})")
+            if func.attr == "items" and base and base.startswith("list:"):
+                return f"list:{base}"  # (key, value) pairs, as enumerate's
         target = self.package_function(func, env)
         if target is not None:
             self.pass_arguments(target, node, env)

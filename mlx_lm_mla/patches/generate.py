@@ -15,7 +15,7 @@ from ..mla import (
     ATTENTION,
     found_once,
     has_latent_attention,
-    latent_modules,
+    latent_layers,
     leaves,
     mark_model_caches,
 )
@@ -143,13 +143,10 @@ def _latent_widths(model):
 
     def find():
         found = {}
-        for i, layer in enumerate(getattr(model, "layers", [])):
-            mods = latent_modules(layer)
-            rope = (
-                getattr(mods[0], "qk_rope_head_dim", None) if len(mods) == 1 else None
-            )
+        for i, module in latent_layers(model).items():
+            rope = getattr(module, "qk_rope_head_dim", None)
             if isinstance(rope, int):
-                found[i] = (mods[0].kv_lora_rank, rope, ATTENTION[type(mods[0])])
+                found[i] = (module.kv_lora_rank, rope, ATTENTION[type(module)])
         return found
 
     return found_once(model, "widths", find)
