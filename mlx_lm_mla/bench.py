@@ -380,7 +380,7 @@ def run_attention(model, args, context, batch, variant):
     ``update_and_fetch``, the RoPE-key scores, the module's attention)."""
     import mlx.core as mx
 
-    index, attention, member = args.mla_layer
+    (index, attention, member), dtype = args.mla_layer
     use_decode(variant)
     sdpa = importlib.import_module(
         type(attention).__module__
@@ -389,7 +389,6 @@ def run_attention(model, args, context, batch, variant):
     cache = cache if member is None else cache[member]
     heads = head_count(attention)
     width, rope_width = attention.kv_lora_rank, attention.qk_rope_head_dim
-    dtype = model_dtype(model)  # the queries' dtype, as the model makes them
     q = mx.random.normal((batch, heads, 1, width)).astype(dtype)
     q_pe = mx.random.normal((batch, heads, 1, rope_width)).astype(dtype)
     latent = mx.random.normal((batch, 1, 1, width)).astype(dtype)
@@ -450,11 +449,13 @@ def run(args):
     layers = len(model.layers)
     mx.random.seed(0)
     kinds = [("decode", run_decode)]
+    cache_dtype = model_dtype(model)
     if args.attention:
-        args.mla_layer = mla_layer(model)
+        # The layer and the queries' dtype (as the model makes them), found once.
+        args.mla_layer = mla_layer(model), cache_dtype
         kinds.append(("attention", run_attention))
     here = device()
-    dtype = short_name(model_dtype(model))
+    dtype = short_name(cache_dtype)
     print(
         f"{about['model']}, {layers} layers; device {here['name']}; "
         f"load average {load_at_start}",
