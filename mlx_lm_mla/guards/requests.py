@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import types
 
 from . import cancellation, sampling
 from . import state as served
@@ -71,6 +72,9 @@ def _language_args(model):
     ``text_config``: an object (Kimi-VL, Kimi K2.5) or a dict (mistral3)."""
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)
+    if isinstance(text, dict):  # mistral3's: mistral4 takes rope_parameters first
+        scaling = text.get("rope_parameters") or text.get("rope_scaling")
+        return types.SimpleNamespace(**{**text, "rope_scaling": scaling})
     return args if text is None else text
 
 
@@ -80,12 +84,8 @@ def context_length(model):
     that, its original length times the factor (Qwen's YaRN set-up keeps the
     unscaled length there; DeepSeek's gives the scaled one)."""
     args = _language_args(model)
-    if isinstance(args, dict):  # mistral3's text_config, as mistral4 reads it
-        length = args.get("max_position_embeddings")
-        scaling = args.get("rope_parameters") or args.get("rope_scaling")
-    else:
-        length = getattr(args, "max_position_embeddings", None)
-        scaling = getattr(args, "rope_scaling", None)
+    length = getattr(args, "max_position_embeddings", None)
+    scaling = getattr(args, "rope_scaling", None)
     if not isinstance(length, int):
         return None
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
@@ -186,11 +186,7 @@ def tokens_problem(generator, server, tokenizer, args, prompt, state):
 
 def _vocabulary(generator, tokenizer):
     # The logits' width: the model's vocabulary, else the tokenizer's.
-    args = _language_args(generator.model_provider.model)
-    if isinstance(args, dict):  # mistral3's text_config
-        size = args.get("vocab_size")
-    else:
-        size = getattr(args, "vocab_size", None)
+    size = getattr(_language_args(generator.model_provider.model), "vocab_size", None)
     if isinstance(size, int):
         return size
     try:
