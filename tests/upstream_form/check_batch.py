@@ -151,7 +151,7 @@ def test_float32_and_bfloat16_rows_decode_in_one_batch():
         assert [batch[0].extract(i).offset for i in range(2)] == [10, 5]
 
 
-REFUSED = r"This model's caches do not quantize \(kv_bits\) in a batch"
+REFUSED = r"These caches do not quantize \(kv_bits\) in a batch"
 
 
 def test_batch_generator_refuses_kv_bits_where_a_cache_cannot_quantize_in_a_batch():
