@@ -1,14 +1,16 @@
 """Calls back when a module finishes importing, through a meta path finder that
 wraps the real loader. A callback that fires while one of our modules is still
-importing waits until none is. ``python -m mlx_lm.server`` runs the imported
-module's ``main()``: runpy's ``__main__`` copy would be one no callback sees.
+importing waits until none is. ``python -m mlx_lm.server`` (and ``.generate``)
+runs the imported module's ``main()``: runpy's ``__main__`` copy would define
+functions of its own that no patch reaches.
 """
 
 import sys
 
 OURS = "mlx_lm_mla."
-# Modules that run as ``python -m`` through their imported copy.
-RUN_IMPORTED = {"mlx_lm.server": "import mlx_lm.server as m; m.main()"}
+# Modules that run as ``python -m`` through their imported copy: those that
+# define what is patched and have a ``main()``.
+RUN_IMPORTED = ("mlx_lm.server", "mlx_lm.generate")
 
 _callbacks = {}  # module name: [callback], until it is imported
 _importing = []  # the package's modules being imported through the hook
@@ -59,18 +61,22 @@ class _Loader:
         _importing.append(self._name)
         try:
             self._loader.exec_module(module)
-        finally:
+        finally:  # a module of ours that fails to import holds back nothing
             _importing.pop()
-        while _waiting and not _importing:
-            callback, target = _waiting.pop(0)
-            callback(target)
+            while _waiting and not _importing:
+                callback, target = _waiting.pop(0)
+                callback(target)
 
     def get_code(self, name):
-        # Only runpy asks for the code of these (imports use exec_module).
+        # Only runpy asks for the code of these (imports use exec_module). A
+        # run under another name (multiprocessing's "__mp_main__") runs nothing.
         if name in RUN_IMPORTED:
-            return compile(
-                RUN_IMPORTED[name], f"<mlx-lm-mla: python -m {name}>", "exec"
+            # The module by name: mlx_lm.generate is also a function of mlx_lm's.
+            code = (
+                f"import importlib\nif __name__ == '__main__':\n"
+                f"    importlib.import_module({name!r}).main()\n"
             )
+            return compile(code, f"<mlx-lm-mla: python -m {name}>", "exec")
         return self._loader.get_code(name)
 
     def __getattr__(self, name):

@@ -28,12 +28,15 @@ GLM = ["glm-widths", "square"]
 PROMPT = "Tell me about the weather in a small mountain village in winter."
 
 
-def mlx_lm(*args, disabled=False):
+def mlx_lm(*args, disabled=False, module="mlx_lm"):
+    """``python -m mlx_lm COMMAND ...``, or with ``module`` another entry point
+    (``mlx_lm.generate`` takes the arguments after the command's name)."""
     env = dict(os.environ)
     env.pop("MLX_LM_MLA_DISABLE", None)
     if disabled:
         env["MLX_LM_MLA_DISABLE"] = "1"
-    command = [sys.executable, "-m", "mlx_lm", *map(str, args)]
+    args = args if module == "mlx_lm" else args[1:]
+    command = [sys.executable, "-m", module, *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -94,7 +97,7 @@ def test_cache_prompt_with_kv_bits_saves_a_quantized_latent(saved_prompt, instal
     )
 
 
-def continue_from(model, path, bits):
+def continue_from(model, path, bits, module="mlx_lm"):
     return mlx_lm(
         "generate",
         "--model",
@@ -109,6 +112,7 @@ def continue_from(model, path, bits):
         bits,
         "--verbose",
         "True",
+        module=module,
     )
 
 
@@ -118,13 +122,24 @@ def test_generate_continues_from_a_saved_quantized_latent(model, saved_prompt):
     assert "Generation: 8 tokens" in out.stdout
 
 
+OTHER_BITS = (
+    "quantized with group_size 64 and 4 bits; kv_bits 8 with kv_group_size 64 was "
+    "asked for"
+)
+
+
 def test_generate_refuses_other_bits_than_the_saved_cache_by_name(model, saved_prompt):
     out = continue_from(model, saved_prompt[0], 8)
-    assert out.returncode != 0
-    assert (
-        "quantized with group_size 64 and 4 bits; kv_bits 8 with kv_group_size 64 was asked for"
-        in out.stderr
-    )
+    assert out.returncode != 0 and OTHER_BITS in out.stderr
+
+
+@pytest.mark.parametrize("model", ["glm-widths"], indirect=True)
+def test_python_m_mlx_lm_generate_is_checked_as_the_mlx_lm_command_is(
+    model, saved_prompt
+):
+    # runpy's __main__ copy of generate.py would define a generate_step of its own.
+    out = continue_from(model, saved_prompt[0], 8, module="mlx_lm.generate")
+    assert out.returncode != 0 and OTHER_BITS in out.stderr
 
 
 def test_stock_cache_prompt_with_kv_bits_fails(glm_model, tmp_path):

@@ -166,3 +166,47 @@ def test_a_broken_module_of_the_package_never_breaks_importing_mlx_lm():
     )
     assert out.returncode == 0 and out.stdout.split() == ["mlx_lm"], out.stderr
     assert "mlx-lm-mla could not activate" in out.stderr
+
+
+def run_as(run_name):
+    """``python -m mlx_lm.server --help`` as runpy runs it under ``run_name``:
+    whether the server's ``main()`` ran (it prints its usage)."""
+    code = (
+        "import runpy, sys; sys.argv = ['server', '--help']; "
+        f"runpy.run_module('mlx_lm.server', run_name={run_name!r}, alter_sys=True); "
+        "print('imported')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"},
+    )
+    return "usage:" in out.stdout, out
+
+
+def test_python_m_mlx_lm_server_runs_the_servers_main():
+    ran, out = run_as("__main__")
+    assert ran and out.returncode == 0, out.stderr
+
+
+def test_a_spawned_child_of_a_server_imports_it_without_starting_another():
+    # multiprocessing's spawn runs the parent's main module as "__mp_main__".
+    ran, out = run_as("__mp_main__")
+    assert not ran and out.stdout.split() == ["imported"], out.stderr
+
+
+def test_a_module_of_the_package_that_fails_to_import_holds_back_no_activation(
+    tmp_path,
+):
+    # The module imports mlx_lm (activation waits for it), then fails.
+    (tmp_path / "broken.py").write_text("import mlx_lm\nraise ImportError('no')\n")
+    code = (
+        "import mlx_lm_mla\n"
+        f"mlx_lm_mla.__path__.append({str(tmp_path)!r})\n"
+        "try:\n    import mlx_lm_mla.broken\nexcept ImportError:\n    pass\n"
+        "print(len(mlx_lm_mla.installed()))"
+    )
+    assert int(run_fresh(code)[0]) > 0
