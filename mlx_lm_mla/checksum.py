@@ -22,8 +22,9 @@ def whole_file(value):
     return isinstance(value, str) and value.startswith(_FORM)
 
 
-class CorruptCacheFile(ValueError):
-    """A prompt cache file that cannot be what it claims to be."""
+class CorruptCacheFile(ValueError, RuntimeError):
+    """A prompt cache file that cannot be what it claims to be (a RuntimeError
+    too: what stock's load raises for a file it cannot read)."""
 
 
 class _Sink(io.RawIOBase):

@@ -176,6 +176,29 @@ def test_file_that_is_not_a_cache_is_refused(installed, tmp_path):
         cache_module.load_prompt_cache(str(path))
 
 
+def load_error(path):
+    with pytest.raises(RuntimeError) as e:
+        cache_module.load_prompt_cache(str(path))
+    return e.value
+
+
+@pytest.mark.parametrize("content", [None, b"not a safetensors file"])
+def test_a_file_stock_cannot_read_raises_what_stock_raises(content, stock, tmp_path):
+    path = tmp_path / "c.safetensors"  # missing, or not safetensors
+    if content is not None:
+        path.write_bytes(content)
+    stock_error = load_error(path)
+    mlx_lm_mla.install()
+    try:
+        ours = load_error(path)
+    finally:
+        mlx_lm_mla.uninstall()
+    if content is None:  # stock's own error: the package does not look first
+        assert type(ours) is type(stock_error) and str(ours) == str(stock_error)
+    else:
+        assert isinstance(ours, CorruptCacheFile)
+
+
 def test_tampered_state_gives_a_clear_error(installed, tmp_path):
     model, _ = tiny.build_model("glm4_moe_lite")
     cache = prefilled(model, bits=4)

@@ -178,8 +178,9 @@ def checked_load(original):
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        # A file object, which safetensors cannot open, is read unchecked.
-        path = isinstance(file_name, (str, os.PathLike))
+        # A file object, which safetensors cannot open, is read unchecked; a
+        # missing file gets stock's own error.
+        path = isinstance(file_name, (str, os.PathLike)) and os.path.isfile(file_name)
         if path:
             check_cache_file(file_name)
         cache, metadata = original(file_name, return_metadata=True)
