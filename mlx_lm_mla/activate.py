@@ -33,19 +33,27 @@ def _activate(mlx_lm):
         warnings.warn(f"mlx-lm-mla could not activate: {e!r}", RuntimeWarning)
 
 
+# Each switch, and what a value that is no switch leaves on.
+SWITCHES = {
+    "MLX_LM_MLA_DISABLE": "the fix stays on",
+    "MLX_LM_MLA_CUDA_KERNEL": "the CUDA decode kernel stays on",
+}
+
+
 def _check_settings():
     """A bad MLX_LM_MLA_DECODE named when the process starts, not first at a
-    request's decode step (which still refuses it); a bad
-    MLX_LM_MLA_CUDA_KERNEL, which leaves the kernel on."""
+    request's decode step (which still refuses it); a switch set to a word
+    that is none, which leaves its part on."""
     from .decode import decode_path
 
-    if switch("MLX_LM_MLA_CUDA_KERNEL", True) is None:
-        value = os.environ["MLX_LM_MLA_CUDA_KERNEL"]
-        warnings.warn(
-            f"mlx-lm-mla: MLX_LM_MLA_CUDA_KERNEL={value!r} is not a switch (use "
-            f"one of {', '.join(ON + OFF)}); the CUDA decode kernel stays on",
-            RuntimeWarning,
-        )
+    for name, left in SWITCHES.items():
+        if switch(name, True) is None:
+            value = os.environ[name]
+            warnings.warn(
+                f"mlx-lm-mla: {name}={value!r} is not a switch (use one of "
+                f"{', '.join(ON + OFF)}); {left}",
+                RuntimeWarning,
+            )
 
     try:
         decode_path()

@@ -295,6 +295,19 @@ def test_a_replaced_target_with_other_parameters_switches_off_its_feature_alone(
     assert name not in mlx_lm_mla.installed()
 
 
+def test_a_target_there_with_other_parameters_is_named_with_what_it_takes(
+    server, monkeypatch
+):
+    swapped = lambda self, request, tokenizer, args: None  # noqa: E731
+    monkeypatch.setattr(server.ResponseGenerator, "_tokenize", swapped)
+    with pytest.warns(RuntimeWarning) as warned:
+        mlx_lm_mla.install()
+    message = " ".join(str(w.message) for w in warned)
+    assert (
+        "mlx_lm.server.ResponseGenerator._tokenize (takes (self, request, " in message
+    )
+
+
 def test_an_mlx_name_of_another_form_switches_off_the_features_that_read_it(
     server, all_features, monkeypatch, caplog
 ):

@@ -150,6 +150,20 @@ def test_a_kernel_setting_that_is_no_switch_is_named_and_leaves_it_on():
     assert "MLX_LM_MLA_CUDA_KERNEL='of' is not a switch" in errors
 
 
+def test_a_disable_setting_that_is_no_switch_is_named_and_leaves_the_fix_on():
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", CHECK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, "MLX_LM_MLA_DISABLE": "y"},
+    )
+    assert out.returncode == 0 and int(out.stdout.split()[1]) > 0, out.stderr
+    assert "MLX_LM_MLA_DISABLE='y' is not a switch" in out.stderr
+    assert "the fix stays on" in out.stderr
+
+
 def test_a_broken_module_of_the_package_never_breaks_importing_mlx_lm():
     # The start-up hook is watching; the package then loses a name activation needs.
     code = (

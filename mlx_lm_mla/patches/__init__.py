@@ -29,6 +29,7 @@ _applied = []  # (owner, name, had_own_value, old_value, label, feature), in ord
 # copies the replacement by name, and gets the original back at uninstall.
 _rebound = []
 _missing = []  # labels of the targets and private names this mlx-lm lacks
+_why = {}  # label: how mlx-lm has it otherwise, where it has it at all
 _off = []  # features switched off for it
 _server = []  # the mlx_lm.server module once its patches are applied
 _warned = False
@@ -70,6 +71,16 @@ def _miss(label):
         _missing.append(label)
 
 
+def _named(labels):
+    """Each label, with what is wrong where it is there but otherwise."""
+    return ", ".join(
+        label
+        if _why.get(label, "not found") == "not found"
+        else f"{label} ({_why[label]})"
+        for label in labels
+    )
+
+
 def _report():
     """One log line per install (one more if the server's patches find more) and
     a warning once per name."""
@@ -81,7 +92,7 @@ def _report():
         logger.warning(
             "mlx-lm-mla: mlx-lm %s lacks %s; switched off: %s",
             mlx_lm.__version__,
-            ", ".join(_missing),
+            _named(_missing),
             ", ".join(_off),
         )
     new = [label for label in _missing if label not in _warned_missing]
@@ -90,7 +101,7 @@ def _report():
         off = f"; switched off: {', '.join(_off)}" if _off else ""
         warnings.warn(
             f"mlx-lm-mla could not apply {len(new)} patch(es), their targets are "
-            f"not in this mlx-lm: {', '.join(new)}{off}",
+            f"not in this mlx-lm or not as expected: {_named(new)}{off}",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -131,6 +142,7 @@ def broken_names(features):
             if row.label not in _checked:
                 _checked[row.label] = contract.problem(row)
             if _checked[row.label] is not None:
+                _why[row.label] = _checked[row.label]
                 for feature in relied:
                     broken.setdefault(feature, []).append(row.label)
     return broken
@@ -157,7 +169,9 @@ def _plan(patch):
     if owner is None or (patch.how != "set" and not callable(original)):
         return label
     replacement = patch.make(original)
-    if patch.how != "set" and contract.signature_problem(replacement, original):
+    problem = patch.how != "set" and contract.signature_problem(replacement, original)
+    if problem:
+        _why[label] = problem
         return label
     return owner, name, original, replacement
 
@@ -312,6 +326,7 @@ def uninstall():
                 restored.append(f"{module_name}.{name}")
     _rebound.clear()
     _missing.clear()
+    _why.clear()
     _off.clear()
     _server.clear()
     _logged = 0
