@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from mlx_lm_mla import tiny
 
@@ -52,13 +53,23 @@ def progress(proc, log):
     return os.fstat(log.fileno()).st_size, cpu_seconds(proc.pid)
 
 
-def answers(port):
-    """Whether a server answers on ``port``."""
+def answers(port, model=None):
+    """Whether a server answers on ``port``; with ``model``, one serving that
+    folder (its /v1/models lists it resolved, as stock's does), not another
+    process that took the port."""
+    url = f"http://127.0.0.1:{port}/v1/models"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-            return True
+        with urllib.request.urlopen(url, timeout=2) as response:
+            body = response.read()
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
+    if model is None:
+        return True
+    try:
+        listed = {m.get("id") for m in json.loads(body)["data"]}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return str(Path(model).resolve()) in listed
 
 
 def output(log, tail=4000):
@@ -70,14 +81,15 @@ def output(log, tail=4000):
     return end.decode(errors="replace")
 
 
-def wait_until_up(proc, port, log, stall=120, bound=900):
-    """Returns once the server ``proc`` answers on ``port``. Raises, naming
+def wait_until_up(proc, port, log, stall=120, bound=900, model=None):
+    """Returns once the server ``proc`` answers on ``port`` (serving ``model``,
+    where given: a port another process took fails as ``proc`` exits). Raises, naming
     its output (``log``, an open file), at once when it exits, after ``stall``
     seconds without progress, or after ``bound`` seconds in all. The caller
     stops it."""
     start = moved = time.monotonic()
     seen = progress(proc, log)
-    while not answers(port):
+    while not answers(port, model):
         if proc.poll() is not None:
             raise RuntimeError(
                 f"server exited with {proc.returncode} before answering; "
@@ -149,7 +161,7 @@ class Server:
             self.log.close()
             raise
         try:
-            wait_until_up(self.proc, self.port, self.log, stall, bound)
+            wait_until_up(self.proc, self.port, self.log, stall, bound, model_path)
         except BaseException:
             self.close()
             raise

@@ -2,6 +2,7 @@
 a wheel (what this test run was installed from) and ``pip install -e .``."""
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -39,30 +40,41 @@ def test_the_switch_turns_it_off():
     assert activated(sys.executable, MLX_LM_MLA_DISABLE="1")[1] == 0
 
 
+# What a checkout holds beside its sources: environments, caches, builds.
+NOT_SOURCE = shutil.ignore_patterns(
+    ".*", "__pycache__", "*.egg-info", "build", "dist", "results"
+)
+
+
 @pytest.fixture(scope="module")
 def editable(tmp_path_factory):
-    """A fresh virtual environment with ``pip install -e`` of this checkout."""
-    env_dir = tmp_path_factory.mktemp("editable") / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
+    """A fresh virtual environment with ``pip install -e`` of a copy of this
+    checkout (an editable install writes its metadata into the folder)."""
+    folder = tmp_path_factory.mktemp("editable")
+    checkout = folder / "checkout"
+    shutil.copytree(REPO, checkout, ignore=NOT_SOURCE)
+    venv.create(folder / "venv", with_pip=True)
+    python = folder / "venv" / "bin" / "python"
     extra = "" if sys.platform == "darwin" else "[cpu]"
     out = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "-e", f"{REPO}{extra}"],
+        [str(python), "-m", "pip", "install", "-q", "-e", f"{checkout}{extra}"],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return python
+    return python, checkout
 
 
 def test_an_editable_install_activates_in_a_new_process(editable):
-    where, patched = activated(editable)
-    assert Path(where).resolve().is_relative_to(REPO) and patched > 0
+    python, checkout = editable
+    where, patched = activated(python)
+    assert Path(where).resolve().is_relative_to(checkout) and patched > 0
 
 
 def test_an_editable_install_has_the_switch_too(editable):
-    assert activated(editable, MLX_LM_MLA_DISABLE="1")[1] == 0
+    python, _ = editable
+    assert activated(python, MLX_LM_MLA_DISABLE="1")[1] == 0
 
 
 def run_fresh(code):

@@ -11,7 +11,7 @@ import serving
 from serving import Server, answers
 
 FAKE = """
-import argparse, http.server, os, signal, sys, time
+import argparse, http.server, json, os, signal, sys, time
 
 parser = argparse.ArgumentParser()
 for flag in ("--model", "--host", "--port"):
@@ -35,10 +35,11 @@ while time.monotonic() < until:
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
+    def do_GET(self):  # /v1/models, as stock's lists its --model
         self.send_response(200)
         self.end_headers()
-        self.wfile.write(b"{}")
+        listed = {"data": [{"id": os.path.realpath(args.model)}]}
+        self.wfile.write(json.dumps(listed).encode())
 
     def log_message(self, *args):  # silent: "computes" prints nothing
         pass
@@ -88,7 +89,7 @@ class Interrupted(Exception):
 
 
 def test_an_error_in_the_start_wait_leaves_no_process(fake, tmp_path, monkeypatch):
-    def interrupted(port):
+    def interrupted(port, model=None):
         if (tmp_path / "pid").exists():
             raise Interrupted
         return False
@@ -110,6 +111,13 @@ def test_a_slow_start_that_computes_silently_is_waited_for(fake):
     with fake("computes:3", stall=1.5) as server:
         assert answers(server.port) and server.output() == ""
     assert not running(fake.pid())
+
+
+def test_a_port_another_server_took_is_not_taken_for_the_servers_own(fake, monkeypatch):
+    with fake("prints:0") as other:  # it answers on the port the next start is given
+        monkeypatch.setattr(serving, "free_port", lambda: other.port)
+        with pytest.raises(RuntimeError, match="exited with 1(.|\n)*Address already"):
+            fake("prints:1")
 
 
 def test_a_start_that_progresses_past_the_bound_fails(fake):

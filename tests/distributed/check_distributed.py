@@ -139,8 +139,10 @@ def ring_port():
 def launch(script, *args, disabled=False, log):
     """``mlx.launch -n 2 --backend ring`` running script on this machine, in a
     process group of its own so that stop() ends every rank. The ranks get
-    this process's environment; disabled adds ``MLX_LM_MLA_DISABLE=1``."""
+    this process's environment; disabled adds ``MLX_LM_MLA_DISABLE=1``. The
+    launcher's host and pid files go beside the log, in the test's folder."""
     env = dict(os.environ, **({"MLX_LM_MLA_DISABLE": "1"} if disabled else {}))
+    env["TMPDIR"] = str(Path(log.name).resolve().parent)
     cmd = [launcher(), "-n", str(RANKS), "--backend", "ring", "-p", str(ring_port())]
     cmd += ["--python", sys.executable, "--", str(script), *map(str, args)]
     # stdin: a pipe never written, so the launcher's select on it waits
@@ -364,7 +366,7 @@ class LaunchedServer(Server):
         ]
         self.proc = launch(HERE / "serve.py", *args, disabled=disabled, log=self.log)
         try:
-            wait_until_up(self.proc, self.port, self.log)
+            wait_until_up(self.proc, self.port, self.log, model=model_path)
         except BaseException:
             self.close()
             raise
