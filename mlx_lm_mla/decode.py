@@ -83,8 +83,9 @@ def latent_attention(queries, latent, scale, mask=None, read=None, chunk=None):
     chunk = chunk or chunk_size(B, D, dtype)
     for start in range(0, L, chunk):
         stop = min(start + chunk, L)
-        # Read once the last chunk is done: fewer chunks in flight at a time.
-        rows = read(start, stop, dtype, out)
+        # Read once the last chunk is done, its output and its sum both: else the
+        # sums' chain runs after every output, each chunk's weights held till then.
+        rows = read(start, stop, dtype, None if out is None else [out, total])
         scores = (rows @ q).astype(mx.float32)
         if mask is not None:
             scores = _masked(scores, mask[..., start:stop, :])

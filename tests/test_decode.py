@@ -189,6 +189,26 @@ def test_a_quantized_decode_step_holds_a_few_chunks_not_the_latent(installed):
     assert transient < (n * 512 * 2) / 4
 
 
+def fold_transient(columns, positions):
+    """The bytes ``latent_attention`` holds beyond its inputs for ``columns``
+    queries (heads times a chunk's positions) over ``positions`` rows."""
+    q = mx.random.normal((1, columns, 1, 512))
+    latent = mx.random.normal((1, 1, positions, 512))
+    mx.eval(q, latent)
+    mx.synchronize()
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(decode.latent_attention(q, latent, 0.1, chunk=512))
+    return mx.get_peak_memory() - held
+
+
+def test_the_folds_transient_does_not_grow_with_the_positions_read():
+    # Each chunk's float32 weights (500 columns x 512 rows: 1 MiB) are let go
+    # as the next is read: 8,192 more positions would be 16 MiB of them.
+    grown = fold_transient(500, 4096 + 8192) - fold_transient(500, 4096)
+    assert grown < (500 * 8192 * 4) / 8
+
+
 def test_the_source_says_whether_an_attention_calls_a_function_by_name():
     class Calls:
         def __call__(self, q, k, v, cache=None):
