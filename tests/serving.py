@@ -10,7 +10,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from mlx_lm_mla import tiny
 
@@ -53,23 +52,23 @@ def progress(proc, log):
     return os.fstat(log.fileno()).st_size, cpu_seconds(proc.pid)
 
 
-def answers(port, model=None):
-    """Whether a server answers on ``port``; with ``model``, one serving that
-    folder (its /v1/models lists it resolved, as stock's does), not another
-    process that took the port."""
-    url = f"http://127.0.0.1:{port}/v1/models"
+def answers(port):
+    """Whether a server answers on ``port``."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            body = response.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+            return True
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
-    if model is None:
-        return True
-    try:
-        listed = {m.get("id") for m in json.loads(body)["data"]}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return str(Path(model).resolve()) in listed
+
+
+def listening(log, port):
+    """Whether the server writing ``log`` says it listens on ``port`` (stock's
+    line, written once it has bound the port)."""
+    log.flush()
+    size = os.fstat(log.fileno()).st_size
+    return f"on port {port}..." in os.pread(log.fileno(), size, 0).decode(
+        errors="replace"
+    )
 
 
 def output(log, tail=4000):
@@ -81,15 +80,16 @@ def output(log, tail=4000):
     return end.decode(errors="replace")
 
 
-def wait_until_up(proc, port, log, stall=120, bound=900, model=None):
-    """Returns once the server ``proc`` answers on ``port`` (serving ``model``,
-    where given: a port another process took fails as ``proc`` exits). Raises, naming
+def wait_until_up(proc, port, log, stall=120, bound=900, own=False):
+    """Returns once the server ``proc`` answers on ``port`` (with ``own``, once
+    its log says it listens there: a port another process took is not taken
+    for its, and fails as it exits). Raises, naming
     its output (``log``, an open file), at once when it exits, after ``stall``
     seconds without progress, or after ``bound`` seconds in all. The caller
     stops it."""
     start = moved = time.monotonic()
     seen = progress(proc, log)
-    while not answers(port, model):
+    while not (answers(port) and (not own or listening(log, port))):
         if proc.poll() is not None:
             raise RuntimeError(
                 f"server exited with {proc.returncode} before answering; "
@@ -161,7 +161,7 @@ class Server:
             self.log.close()
             raise
         try:
-            wait_until_up(self.proc, self.port, self.log, stall, bound, model_path)
+            wait_until_up(self.proc, self.port, self.log, stall, bound, own=True)
         except BaseException:
             self.close()
             raise

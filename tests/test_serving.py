@@ -11,7 +11,7 @@ import serving
 from serving import Server, answers
 
 FAKE = """
-import argparse, http.server, json, os, signal, sys, time
+import argparse, http.server, os, signal, sys, time
 
 parser = argparse.ArgumentParser()
 for flag in ("--model", "--host", "--port"):
@@ -35,17 +35,18 @@ while time.monotonic() < until:
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # /v1/models, as stock's lists its --model
+    def do_GET(self):
         self.send_response(200)
         self.end_headers()
-        listed = {"data": [{"id": os.path.realpath(args.model)}]}
-        self.wfile.write(json.dumps(listed).encode())
+        self.wfile.write(b"{}")
 
     def log_message(self, *args):  # silent: "computes" prints nothing
         pass
 
 
-http.server.HTTPServer((args.host, int(args.port)), Handler).serve_forever()
+httpd = http.server.HTTPServer((args.host, int(args.port)), Handler)
+print(f"Starting httpd at {args.host} on port {args.port}...", flush=True)  # stock's
+httpd.serve_forever()
 """
 
 
@@ -89,7 +90,7 @@ class Interrupted(Exception):
 
 
 def test_an_error_in_the_start_wait_leaves_no_process(fake, tmp_path, monkeypatch):
-    def interrupted(port, model=None):
+    def interrupted(port):
         if (tmp_path / "pid").exists():
             raise Interrupted
         return False
@@ -109,7 +110,8 @@ def test_a_slow_start_that_prints_is_waited_for(fake):
 
 def test_a_slow_start_that_computes_silently_is_waited_for(fake):
     with fake("computes:3", stall=1.5) as server:
-        assert answers(server.port) and server.output() == ""
+        bound = f"Starting httpd at 127.0.0.1 on port {server.port}..."
+        assert answers(server.port) and server.output().splitlines() == [bound]
     assert not running(fake.pid())
 
 
@@ -117,7 +119,8 @@ def test_a_port_another_server_took_is_not_taken_for_the_servers_own(fake, monke
     with fake("prints:0") as other:  # it answers on the port the next start is given
         monkeypatch.setattr(serving, "free_port", lambda: other.port)
         with pytest.raises(RuntimeError, match="exited with 1(.|\n)*Address already"):
-            fake("prints:1")
+            with fake("prints:1"):  # stopped, should it be taken for up
+                pass
 
 
 def test_a_start_that_progresses_past_the_bound_fails(fake):

@@ -366,7 +366,7 @@ class LaunchedServer(Server):
         ]
         self.proc = launch(HERE / "serve.py", *args, disabled=disabled, log=self.log)
         try:
-            wait_until_up(self.proc, self.port, self.log, model=model_path)
+            wait_until_up(self.proc, self.port, self.log, own=True)
         except BaseException:
             self.close()
             raise
