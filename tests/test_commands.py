@@ -32,6 +32,16 @@ def test_serve_takes_mlx_lm_server_flags():
     assert "--decode-concurrency" in out.stdout and "--prompt-cache-size" in out.stdout
 
 
+def test_the_servers_kv_bits_help_says_mla_models_keep_batching():
+    stock = [sys.executable, "-m", "mlx_lm.server", "--help"]
+    for disabled in (None, "1"):
+        env = {k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"}
+        env.update({"MLX_LM_MLA_DISABLE": disabled} if disabled else {})
+        out = subprocess.run(stock, env=env, capture_output=True, text=True)
+        said = "MLA models keep batching" in " ".join(out.stdout.split())
+        assert out.returncode == 0 and said == (disabled is None)
+
+
 def test_mlx_lm_mla_disable_keeps_the_fix_off_mlx_lm_but_not_off_serve():
     env = {**os.environ, "MLX_LM_MLA_DISABLE": "1"}
     stock = [sys.executable, "-m", "mlx_lm.server", "--help"]

@@ -246,6 +246,9 @@ def server_imported(server):
             stacklevel=2,
         )
         return
+    logger.info(
+        "mlx-lm-mla: mlx_lm.server patched (%d patches in force)", len(_applied)
+    )
     _report()
 
 

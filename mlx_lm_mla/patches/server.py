@@ -2,6 +2,7 @@
 of MLA models under ``--kv-bits``, and the disk tier."""
 
 import sys
+import types
 
 from ..disk import hooks as disk
 from ..guards import recovery, requests, reuse, sampling
@@ -81,8 +82,10 @@ def table():
         Patch(SERVER, "run", "wrap", disk.with_tier, DISK),
         # A model's files are fingerprinted as its weights are loaded.
         Patch(SERVER, "ModelProvider.load", "wrap", disk.fingerprinted_load, DISK),
-        # main() makes its parser through this module global: the flags join it.
+        # main() makes its parser through this module global: the flags join it,
+        # and --kv-bits's help says what the package changes.
         Patch(SERVER, "argparse", "set", disk.server_argparse, DISK),
+        Patch(SERVER, "argparse", "set", kv_bits_help, KV_BATCHING),
         Patch(
             SERVER,
             f"{generator}._next_request",
@@ -108,6 +111,32 @@ def table():
             SAMPLING,
         ),
     ]
+
+
+KV_BITS_NOTE = (
+    " With mlx-lm-mla, MLA models keep batching: their latents are quantized in "
+    "the batch."
+)
+
+
+def kv_bits_help(original):
+    """``mlx_lm.server``'s ``argparse``, whose parser's ``--kv-bits`` help adds
+    that MLA models keep batching (stock's says it turns batching off)."""
+
+    class Parser(original.ArgumentParser):
+        def parse_known_args(self, args=None, namespace=None):
+            for action in self._actions:  # parse_args and --help come here
+                text = (action.help or "").rstrip()
+                if action.dest == "kv_bits" and KV_BITS_NOTE not in text:
+                    end = "" if text.endswith(".") or not text else "."
+                    action.help = text + end + KV_BITS_NOTE
+            return super().parse_known_args(args, namespace)
+
+    module = types.ModuleType(original.__name__, original.__doc__)
+    module.__dict__.update(vars(original))
+    module.ArgumentParser = Parser
+    module.mlx_lm_mla_original = original
+    return module
 
 
 def batchable_with_kv_bits(original):
