@@ -53,6 +53,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import mlx_lm_mla
 from mlx_lm_mla import BatchQuantizedLatentCache, QuantizedLatentCache
+from mlx_lm_mla.cache import quantize_rows
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 TARGET = 2.0
@@ -195,6 +196,10 @@ def ops(data, args, tmp, bits):
         q = c.to_quantized(group_size=64, bits=8)
         return out(q)
 
+    def quantize_batch(c):
+        # A batch has no to_quantized: the server's loop quantizes its rows.
+        return out(quantize_rows(c, list(range(c.offset.size)), group_size=64, bits=8))
+
     def plain_quantize(x):
         return [mx.quantize(x, group_size=64, bits=8)], 0
 
@@ -311,7 +316,7 @@ def ops(data, args, tmp, bits):
                 "to_quantized, batch",
                 real,
                 lambda: copy_of(data.batch),
-                quantize,
+                quantize_batch,
                 k_setup=batch_latent,
                 k_op=plain_quantize,
             ),

@@ -254,3 +254,16 @@ def test_the_design_docs_examples_print_what_they_say(source, quoted):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert quoted and out.stdout.splitlines() == quoted
+
+
+def test_the_supported_range_said_is_the_one_the_package_declares():
+    from packaging.specifiers import SpecifierSet
+
+    from mlx_lm_mla._version import MLX_LM_RANGE
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    low = min(s.version for s in SpecifierSet(MLX_LM_RANGE) if s.operator == ">=")
+    assert f'pip install "mlx-lm{MLX_LM_RANGE}"' in text
+    assert f"mlx-lm {low} (mlx" in text  # the range's low end, named in prose
+    pins = (ROOT / ".ci" / "low.txt").read_text(encoding="utf-8").split()
+    assert f"mlx-lm=={low}" in pins  # CI's low leg tests that end
