@@ -10,12 +10,14 @@ GLM-4.7-Flash widths (kv_lora_rank 512, rope 64, bfloat16).
 """
 
 import argparse
-import json
+import time
+
+import _common  # noqa: F401  (puts the repository root on sys.path)
+from _common import write_json
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-import mlx_lm
 import mlx_lm_mla
 from mlx_lm_mla import QuantizedLatentCache
 from mlx_lm_mla import tiny
@@ -59,8 +61,9 @@ def bytes_per_token(bits, quantize_rope, latent=512, rope=64, dtype_bytes=2, gro
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    started = time.perf_counter()
     mlx_lm_mla.install()
     model, _ = tiny.build_model(
         "glm4_moe_lite", kv_lora_rank=128, qk_rope_head_dim=64, first_k_dense_replace=99
@@ -89,9 +92,8 @@ def main():
             label = "quantized" if quantize_rope else "bfloat16"
             print(f"{bits:>4}  {label:<10}{diff:>13.4f}{size:>19.0f}")
     print(f"unquantized: {bytes_per_token(None, False):.0f} bytes/token/layer")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"mlx_lm": mlx_lm.__version__, "rows": rows}, f, indent=2)
+    path = write_json(args.json, "rope_precision", args, {"rows": rows}, started)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ better figure for the whole cost. Needs the package installed (pip install .).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+import _common  # noqa: F401  (puts the repository root on sys.path)
+from _common import write_json
 
 
 def run(disabled):
@@ -31,8 +33,9 @@ def run(disabled):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=40)
-    parser.add_argument("--json", default="benchmarks/results/startup_cost.json")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    started = time.perf_counter()
     on, off = [], []
     for i in range(args.runs):
         on.append(run(False))
@@ -64,9 +67,7 @@ def main():
         f"the hook's own imports (-X importtime, self): {result['hook_imports_self_ms']:.2f} ms; "
         f"mlx imported at start-up: {result['mlx_imported_at_startup']}"
     )
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    print(f"wrote {write_json(args.json, 'startup_cost', args, result, started)}")
 
 
 if __name__ == "__main__":

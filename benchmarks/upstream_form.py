@@ -27,6 +27,7 @@ with patch 1, or patches 1 and 2, of upstream/ can be run side by side:
   a 1024-token prompt, the two interleaved over 3 rounds (patched trees, CPU).
 """
 
+import argparse
 import inspect
 import sys
 import time
@@ -219,6 +220,8 @@ def decode_ratio(model_type, bits, rounds=3):
 
 
 def main():
+    # No flags: the tree measured is the one on PYTHONPATH. It prints only.
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     form = "patches 1 and 2" if BATCH else "patch 1" if FIX else "release"
     print(f"tree: {Path(cache.__file__).parents[2]} ({form})")
     print(
