@@ -123,12 +123,12 @@ def test_a_sigterm_handler_the_tier_did_not_set_is_left_alone(tmp_path):
     def theirs(signum, frame):
         pass
 
-    signal.signal(signal.SIGTERM, theirs)
+    found = signal.signal(signal.SIGTERM, theirs)
     try:
         assert run_with_tier(tmp_path) is theirs
         assert signal.getsignal(signal.SIGTERM) is theirs
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, found)  # the test runner's, as it was
 
 
 class FailingClose:

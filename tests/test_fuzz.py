@@ -127,7 +127,7 @@ def test_odd_values_in_every_field_harm_no_stream_and_the_next_sampled_request_i
             for s in streams:
                 s.start()
             for s in streams:
-                s.started.wait(60)
+                s.started.wait()  # its first token, or its error: set either way
             sent = i
             # Waves of odd requests while all three streams are decoding.
             while i < len(cases) and all(s.is_alive() for s in streams):

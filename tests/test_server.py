@@ -618,7 +618,8 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
             # The long one is generating, its row quantized, when the short ones join.
             long = Stream(server, long_text, max_tokens=120, logit_bias={"1": -100})
             long.start()
-            long.started.wait(120)
+            long.started.wait()  # its first token, or its error: set either way
+            assert long.error is None, long.error  # it decodes as the others join
             beside = [None] * len(shorts)
 
             def run(i):
