@@ -237,11 +237,15 @@ def test_a_class_looked_up_by_name_that_is_gone_switches_off_its_feature_alone(
     assert_only_off(RECOVERY, all_features, caplog, "mlx_lm.server.GenerationContext")
 
 
-def test_a_parser_made_otherwise_switches_off_its_feature_alone(
+def test_a_parser_made_otherwise_switches_off_the_features_that_change_it(
     server, all_features, monkeypatch, caplog
 ):
     monkeypatch.setattr(server, "argparse", types.ModuleType("argparse"))
-    assert_only_off(DISK, all_features, caplog, "mlx_lm.server.argparse")
+    off, line = install_logged(caplog)
+    assert "mlx_lm.server.argparse" in patches.missing()
+    # The disk tier's flags, and the --kv-bits batching its help tells of.
+    assert sorted(off) == sorted([DISK, KV_BATCHING])
+    assert features_on() == all_features - {DISK, KV_BATCHING}
 
 
 def provider_init(self, cli_args):

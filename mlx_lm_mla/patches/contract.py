@@ -412,11 +412,16 @@ NAMES = (
             Holds("default_model"),
             "mlx-lm 0.31 keys the command line's model so: its files are found",
         ),
+    ),
+    *_rows(
+        SERVER,
+        (DISK, KV_BATCHING),  # KV_BATCHING: its --kv-bits help says it batches
         (
             "argparse",
             Calls("argparse", "main", ("argparse.ArgumentParser", ".parse_args")),
             "main() makes its parser and reads the command line in one call; "
-            "flags join mlx-lm's own only through the parser class it makes",
+            "flags join mlx-lm's own, and help changes, only through the parser "
+            "class it makes",
         ),
     ),
     *_rows(
