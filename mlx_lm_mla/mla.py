@@ -249,21 +249,23 @@ def latent_modules(layer):
     return [m for _, m in layer.named_modules() if type(m) in ATTENTION]
 
 
-# id(model) -> {name: value}, dropped with the model.
+# id(model) -> {name: (its layers' identities, value)}, dropped with the model.
 _FOUND = {}
 
 
 def found_once(model, name, find):
-    """``find()``, remembered for ``model`` while the package is installed."""
+    """``find()``, remembered for ``model`` while the package is installed and
+    its layers are the same (pipelining a model keeps only some of them)."""
     if not ATTENTION:
         return find()
     found = _FOUND.get(id(model))
     if found is None:
         found = _FOUND[id(model)] = {}
         weakref.finalize(model, _FOUND.pop, id(model), None)
-    if name not in found:
-        found[name] = find()
-    return found[name]
+    layers = tuple(map(id, getattr(model, "layers", None) or ()))
+    if name not in found or found[name][0] != layers:
+        found[name] = (layers, find())
+    return found[name][1]
 
 
 def latent_layers(model):

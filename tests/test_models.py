@@ -117,3 +117,21 @@ def test_a_loaded_model_quantizes_its_latent(installed, tmp_path):
         len(out) == 4 and cache[0].offset == len(prompt) + 4
     )  # generate_step runs one step ahead
     assert all(type(c) is QuantizedLatentCache for c in cache)
+
+
+class _FirstOfTwo:
+    """Pipeline rank 0 of 2: the model keeps the last half of its layers."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+def test_a_model_pipelined_after_its_first_use_gets_caches_for_its_layers(installed):
+    model, _ = tiny.build_model("deepseek_v3")
+    make_prompt_cache(model)  # what its layers are is found, and remembered
+    model.model.pipeline(_FirstOfTwo())
+    cache = make_prompt_cache(model)  # marked as the layer it keeps writes it
+    assert len(cache) == len(model.layers) == 1 and is_latent(cache[0])
