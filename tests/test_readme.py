@@ -267,3 +267,24 @@ def test_the_supported_range_said_is_the_one_the_package_declares():
     assert f"mlx-lm {low} (mlx" in text  # the range's low end, named in prose
     pins = (ROOT / ".ci" / "low.txt").read_text(encoding="utf-8").split()
     assert f"mlx-lm=={low}" in pins  # CI's low leg tests that end
+
+
+def test_the_readme_names_the_models_that_cache_per_head_keys_as_the_kit_knows_them():
+    from mlx_lm_mla import tiny
+
+    names = [f"`{t}`" for t in tiny._FULL_KV_CONFIGS]
+    said = f"{', '.join(names[:-1])} and {names[-1]} cache per-head keys"
+    assert said in " ".join(README.read_text(encoding="utf-8").split())
+
+
+def test_every_model_file_with_a_latent_rank_is_known_as_mla_or_as_per_head():
+    # A new mlx-lm model with MLA-style projections is named here until it is
+    # listed as MLA (its source read by mla.py) or as caching per-head keys.
+    from mlx_lm_mla import tiny
+
+    models = Path(importlib.import_module("mlx_lm.models").__file__).parent
+    ranked = {
+        p.stem for p in models.glob("*.py") if "kv_lora_rank" in p.read_text("utf-8")
+    }
+    known = set(tiny.MLA_MODEL_TYPES) | set(tiny._FULL_KV_CONFIGS)
+    assert sorted(ranked - known) == []
