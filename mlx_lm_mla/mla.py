@@ -270,7 +270,7 @@ def found_once(model, name, find):
 
 def latent_layers(model):
     """{layer index: its MLA attention module} of the layers with one (LongCat's
-    two-module layers are left out), found once a model."""
+    two-module layers are left out), found once for the layers it has."""
 
     def find():
         found = {}

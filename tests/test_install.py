@@ -17,15 +17,23 @@ CHECK = (
 )
 
 
-def activated(python, **env):
-    out = subprocess.run(
-        [str(python), "-c", CHECK],
+def python_c(code, *flags, python=sys.executable, **env):
+    """``python [flags] -c code`` in a new process, outside the checkout (so
+    only the install can be imported), the package's switch unset unless
+    ``env`` sets it."""
+    environ = {k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"}
+    return subprocess.run(
+        [str(python), *flags, "-c", code],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd="/",  # not the checkout, so only the install can be imported
-        env={**os.environ, **env},
+        cwd="/",
+        env={**environ, **env},
     )
+
+
+def activated(python, **env):
+    out = python_c(CHECK, python=python, **env)
     assert out.returncode == 0, out.stderr
     where, patched = out.stdout.split()
     return where, int(patched)
@@ -79,14 +87,7 @@ def test_an_editable_install_has_the_switch_too(editable):
 
 def run_fresh(code):
     """code in a new process with every warning an error; its stdout."""
-    out = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"},
-    )
+    out = python_c(code, "-W", "error")
     assert out.returncode == 0 and not out.stderr, out.stderr
     return out.stdout.split()
 
@@ -120,14 +121,7 @@ def test_the_server_is_guarded_when_imported_and_not_imported_before():
 
 
 def test_a_bad_decode_setting_is_named_when_mlx_lm_is_imported():
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={**os.environ, "MLX_LM_MLA_DECODE": "fastest"},
-    )
+    out = python_c(CHECK, MLX_LM_MLA_DECODE="fastest")
     # Still active: a decode step refuses the setting with the same words.
     assert out.returncode == 0 and int(out.stdout.split()[1]) > 0, out.stderr
     assert "MLX_LM_MLA_DECODE='fastest' is not a decode path" in out.stderr
@@ -138,14 +132,7 @@ def kernel_switched(value):
     code = (
         "import mlx_lm; from mlx_lm_mla import decode_cuda; print(decode_cuda.ENABLED)"
     )
-    out = subprocess.run(
-        [sys.executable, "-W", "always", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={**os.environ, "MLX_LM_MLA_CUDA_KERNEL": value},
-    )
+    out = python_c(code, "-W", "always", MLX_LM_MLA_CUDA_KERNEL=value)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()[-1], out.stderr
 
@@ -163,14 +150,7 @@ def test_a_kernel_setting_that_is_no_switch_is_named_and_leaves_it_on():
 
 
 def test_a_disable_setting_that_is_no_switch_is_named_and_leaves_the_fix_on():
-    out = subprocess.run(
-        [sys.executable, "-W", "always", "-c", CHECK],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={**os.environ, "MLX_LM_MLA_DISABLE": "y"},
-    )
+    out = python_c(CHECK, "-W", "always", MLX_LM_MLA_DISABLE="y")
     assert out.returncode == 0 and int(out.stdout.split()[1]) > 0, out.stderr
     assert "MLX_LM_MLA_DISABLE='y' is not a switch" in out.stderr
     assert "the fix stays on" in out.stderr
@@ -182,14 +162,7 @@ def test_a_broken_module_of_the_package_never_breaks_importing_mlx_lm():
         "import warnings, mlx_lm_mla; del mlx_lm_mla.__version__; "
         "warnings.simplefilter('always'); import mlx_lm; print(mlx_lm.__name__)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"},
-    )
+    out = python_c(code)
     assert out.returncode == 0 and out.stdout.split() == ["mlx_lm"], out.stderr
     assert "mlx-lm-mla could not activate" in out.stderr
 
@@ -202,14 +175,7 @@ def run_as(run_name):
         f"runpy.run_module('mlx_lm.server', run_name={run_name!r}, alter_sys=True); "
         "print('imported')"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={k: v for k, v in os.environ.items() if k != "MLX_LM_MLA_DISABLE"},
-    )
+    out = python_c(code)
     return "usage:" in out.stdout, out
 
 
