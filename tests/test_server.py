@@ -586,6 +586,34 @@ def test_a_request_whose_client_leaves_stops_and_the_others_decode_as_alone(
 
 if KV_BITS:  # defined only where the server has the flag, not skipped
 
+    def test_a_request_for_a_model_not_loaded_is_served_as_its_own_server_serves_it(
+        model_path, tmp_path
+    ):
+        # --kv-bits quantizes a per-head model's cache only served alone: a
+        # request naming it while an MLA model is batched is checked again
+        # once its model is loaded (the loop queues it anew), and served alone.
+        other = tiny.save_model(tmp_path / "qwen2", "qwen2")
+        flags = ["--kv-bits", 4, "--quantized-kv-start", 0]
+        body = {
+            "prompt": "Name three rivers of the north and of the south. " * 4,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "logprobs": True,  # the cache's precision shows in them
+        }
+
+        def logprobs(port, **fields):
+            status, reply = post_json(port, "/v1/completions", {**body, **fields})
+            assert status == 200, reply
+            return [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+        with Server(other, *flags) as server:
+            alone = logprobs(server.port)
+        with Server(model_path, *flags) as server:
+            logprobs(server.port)  # the MLA model, loaded first
+            switched = logprobs(server.port, model=str(other))
+        assert len(switched) == len(alone) == 8
+        assert max(abs(a - b) for a, b in zip(alone, switched)) < 1e-4
+
     def short_chat(server, user):
         """A greedy request short enough to stay below --quantized-kv-start alone."""
         body = {
