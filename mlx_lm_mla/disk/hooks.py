@@ -131,15 +131,20 @@ class ServerParser(argparse.ArgumentParser):
         return parsed
 
 
-def server_argparse(original):
-    """``mlx_lm.server``'s ``argparse``, whose ``ArgumentParser`` is ours."""
-    # main() builds its parser inline from this module global and parses at
-    # once: mlx-lm has no hook to add flags (docs/design.md).
+def argparse_with(original, parser):
+    """A copy of ``mlx_lm.server``'s ``argparse`` whose ``ArgumentParser`` is
+    ``parser``: main() builds its parser inline from this module global and
+    parses at once, so mlx-lm has no other hook for flags (docs/design.md)."""
     module = types.ModuleType(original.__name__, original.__doc__)
     module.__dict__.update(vars(original))
-    module.ArgumentParser = ServerParser
+    module.ArgumentParser = parser
     module.mlx_lm_mla_original = original
     return module
+
+
+def server_argparse(original):
+    """``mlx_lm.server``'s ``argparse``, whose parser takes the tier's flags."""
+    return argparse_with(original, ServerParser)
 
 
 def loaded_paths(key, cli_args):

@@ -2,7 +2,6 @@
 of MLA models under ``--kv-bits``, and the disk tier."""
 
 import sys
-import types
 
 from ..disk import hooks as disk
 from ..guards import recovery, requests, reuse, sampling
@@ -132,11 +131,7 @@ def kv_bits_help(original):
                     action.help = text + end + KV_BITS_NOTE
             return super().parse_known_args(args, namespace)
 
-    module = types.ModuleType(original.__name__, original.__doc__)
-    module.__dict__.update(vars(original))
-    module.ArgumentParser = Parser
-    module.mlx_lm_mla_original = original
-    return module
+    return disk.argparse_with(original, Parser)
 
 
 def batchable_with_kv_bits(original):
