@@ -143,13 +143,16 @@ def model_types(models_dir):
     found, _ = find_attention(models_dir)
     types = {m: m for m, _, _ in found}
     mla_modules = set(types.values())
+    if not mla_modules:  # no MLA module for a wrapper to import
+        return types
+    named = re.compile(r"\b(?:%s)\b" % "|".join(map(re.escape, sorted(mla_modules))))
     for path in sorted(Path(models_dir).glob("*.py")):
         if path.stem in types:
             continue
         # Parsed only where an MLA module is named: a parse of every model
         # file would cost a second at every import of mlx_lm.
         text = path.read_text(encoding="utf-8")
-        if not any(re.search(rf"\b{m}\b", text) for m in mla_modules):
+        if not named.search(text):
             continue
         try:
             imported = sibling_imports(source_tree(str(path)))
