@@ -134,6 +134,7 @@ def single_rows(shape, n, args, dtype):
         return dict(
             model=shape["name"],
             tokens=n,
+            layers=layers,
             cache=cache_name,
             bytes_per_token=per_layer * layers,
             held_per_token=None if held is None else held / n * layers,

@@ -8,8 +8,10 @@ runs the docs quote are kept in ``benchmarks/figures/NAME.json``
     | ... |
     <!-- /figures -->
 
-which hold this script's rendering of that JSON. ``tests/test_figures.py``
-checks every marked table against its JSON.
+which hold this script's rendering of that JSON; a figure quoted in a
+sentence sits between ``<!-- figure: NAME TABLE -->`` and ``<!-- /figure -->``
+on one line. ``tests/test_figures.py`` checks every marked table and figure
+against its JSON.
 
     python benchmarks/figures.py keep NAME [PATH]   # a run's JSON into figures/
     python benchmarks/figures.py                    # then rewrite the marked tables
@@ -29,6 +31,7 @@ DOCS = [
     *sorted((ROOT / "docs").glob("*.md")),
 ]
 BLOCK = re.compile(r"<!-- figures: (\w+)(?: (\w+))? -->\n(.*?)<!-- /figures -->", re.S)
+INLINE = re.compile(r"<!-- figure: (\w+) (\w+) -->(.*?)<!-- /figure -->")
 MIB = 2**20
 
 
@@ -203,6 +206,16 @@ def bytes_per_token(data, table=None):
             )
             for r in data["per_rank"]
         ]
+    elif table == "layer":  # quoted in a sentence: one layer at GLM-4.7-Flash's widths
+        per_layer = {
+            r["cache"].split()[-1]: r["bytes_per_token"] / r["layers"]
+            for r in data["single"]
+            if r["model"] == "GLM-4.7-Flash" and r["tokens"] == 4096
+        }
+        return (
+            f"{per_layer['(stock)']:,.0f} bytes per token per MLA layer unquantized, "
+            f"{per_layer['8-bit']:,.0f} at 8 bits and {per_layer['4-bit']:,.0f} at 4 bits"
+        )
     else:
         header = ["model", "cache", "bytes/token", "floor", "held / floor", "layout"]
         rows = [
@@ -217,6 +230,22 @@ def bytes_per_token(data, table=None):
             for r in data["single"]
             if r["tokens"] == 4096
         ]
+    return rows_table(header, rows) + "\n" + run_line(data)
+
+
+def rope_precision(data, table=None):
+    header = ["bits", "RoPE key", "max abs logit difference", "bytes/token/layer"]
+    rows = [
+        (
+            r["bits"] or "-",
+            ("quantized" if r["quantize_rope"] else "bfloat16")
+            if r["bits"]
+            else "unquantized",
+            f"{r['max_logit_diff']:.4f}" if r["bits"] else "0",
+            f"{r['bytes_per_token_layer']:,.0f}",
+        )
+        for r in data["rows"]
+    ]
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
@@ -425,6 +454,7 @@ RENDER = {
     "mixed_batch_memory": mixed_batch_memory,
     "next_turn": next_turn,
     "peak_memory": peak_memory,
+    "rope_precision": rope_precision,
 }
 
 
@@ -438,8 +468,12 @@ def render(name, table=None):
 
 
 def blocks(text):
-    """(name, table, rendered text in the doc) of each marked block."""
-    return [(m.group(1), m.group(2), m.group(3)) for m in BLOCK.finditer(text)]
+    """(name, table, rendered text in the doc) of each marked table and figure."""
+    return [
+        (m.group(1), m.group(2), m.group(3))
+        for pattern in (BLOCK, INLINE)
+        for m in pattern.finditer(text)
+    ]
 
 
 def rewrite(path):
@@ -448,7 +482,10 @@ def rewrite(path):
     def fill(m):
         return f"<!-- figures: {m.group(1)}{' ' + m.group(2) if m.group(2) else ''} -->\n{render(m.group(1), m.group(2))}<!-- /figures -->"
 
-    new = BLOCK.sub(fill, text)
+    def fill_inline(m):
+        return f"<!-- figure: {m.group(1)} {m.group(2)} -->{render(m.group(1), m.group(2))}<!-- /figure -->"
+
+    new = INLINE.sub(fill_inline, BLOCK.sub(fill, text))
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text

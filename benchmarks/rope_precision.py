@@ -91,7 +91,16 @@ def main():
             )
             label = "quantized" if quantize_rope else "bfloat16"
             print(f"{bits:>4}  {label:<10}{diff:>13.4f}{size:>19.0f}")
-    print(f"unquantized: {bytes_per_token(None, False):.0f} bytes/token/layer")
+    exact = bytes_per_token(None, False)
+    rows.append(
+        dict(
+            bits=None,
+            quantize_rope=False,
+            max_logit_diff=0.0,
+            bytes_per_token_layer=exact,
+        )
+    )
+    print(f"unquantized: {exact:.0f} bytes/token/layer")
     path = write_json(args.json, "rope_precision", args, {"rows": rows}, started)
     print(f"wrote {path}")
 

@@ -17,6 +17,8 @@ from mlx_lm_mla.mla import leaves  # noqa: E402  (layer caches, CacheList member
 
 LATENT = 64
 ROPE = 16
+# The error stock mlx-lm raises for a quantized MLA cache (the reported failure).
+SWAPAXES = "'list' object has no attribute 'swapaxes'"
 
 
 def rows(L, B=1, seed=None, dtype=mx.float32):

@@ -46,10 +46,32 @@ def cpu_seconds(pid):
     return out.stdout.strip() or None  # macOS: [[dd-]hh:]mm:ss.cc, compared as is
 
 
+def descendants(pid):
+    """pid's live child processes, theirs, and so on (Linux; none elsewhere)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # not a process, or one that has just exited
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
 def progress(proc, log):
-    """What changes while a starting process works: its output's size and its
-    CPU time."""
-    return os.fstat(log.fileno()).st_size, cpu_seconds(proc.pid)
+    """What changes while a process works: its output's size and the CPU time
+    of it and of every process it started (``mlx.launch``'s ranks; a launcher
+    itself mostly waits)."""
+    return os.fstat(log.fileno()).st_size, [
+        cpu_seconds(pid) for pid in [proc.pid, *descendants(proc.pid)]
+    ]
 
 
 def answers(port):
@@ -72,42 +94,56 @@ def listening(log, port):
 
 
 def output(log, tail=4000):
-    """The end of what a process printed so far into ``log`` (an open file)."""
+    """The end of what a process printed so far into ``log`` (an open file);
+    all of it where ``tail`` is None."""
     log.flush()
     size = os.fstat(log.fileno()).st_size
+    tail = size if tail is None else tail
     # pread: the process writes through the same file offset.
     end = os.pread(log.fileno(), tail, max(0, size - tail))
     return end.decode(errors="replace")
 
 
-def wait_until_up(proc, port, log, stall=120, bound=900, own=False):
-    """Returns once the server ``proc`` answers on ``port`` (with ``own``, once
-    its log says it listens there: a port another process took is not taken
-    for its, and fails as it exits). Raises, naming
-    its output (``log``, an open file), at once when it exits, after ``stall``
-    seconds without progress, or after ``bound`` seconds in all. The caller
-    stops it."""
+def wait_for(proc, log, done, stall=120, bound=900, what="process"):
+    """Returns once ``done()`` holds, waiting as long as ``proc`` makes progress
+    (its output in ``log``, an open file, grows or it or a process it started
+    uses CPU time). Raises, naming its output, at once if it exits first,
+    after ``stall`` seconds without progress, or after ``bound`` seconds in
+    all. The caller stops it."""
     start = moved = time.monotonic()
     seen = progress(proc, log)
-    while not (answers(port) and (not own or listening(log, port))):
+    while not done():
         if proc.poll() is not None:
             raise RuntimeError(
-                f"server exited with {proc.returncode} before answering; "
-                f"its output:\n{output(log)}"
+                f"{what} exited with {proc.returncode}; its output:\n{output(log)}"
             )
         now, state = time.monotonic(), progress(proc, log)
         if state != seen:
             seen, moved = state, now
         elif now - moved > stall:
             raise TimeoutError(
-                f"server made no progress for {stall} s (no output, no CPU "
-                f"time) and does not answer; its output:\n{output(log)}"
+                f"{what} made no progress for {stall} s (no output, no CPU "
+                f"time); its output:\n{output(log)}"
             )
         if now - start > bound:
             raise TimeoutError(
-                f"server did not answer within {bound} s; its output:\n{output(log)}"
+                f"{what} did not finish within {bound} s; its output:\n{output(log)}"
             )
         time.sleep(0.2)
+
+
+def wait_until_up(proc, port, log, stall=120, bound=900, own=False):
+    """Returns once the server ``proc`` answers on ``port`` (with ``own``, once
+    its log says it listens there: a port another process took is not taken
+    for its, and fails as it exits); raises as ``wait_for`` does."""
+    wait_for(
+        proc,
+        log,
+        lambda: answers(port) and (not own or listening(log, port)),
+        stall,
+        bound,
+        what="server (not answering yet)",
+    )
 
 
 def free_port():
@@ -166,8 +202,8 @@ class Server:
             self.close()
             raise
 
-    def output(self):
-        return output(self.log)
+    def output(self, tail=4000):
+        return output(self.log, tail)
 
     def close(self):
         """Terminates the server (kills it after GRACE seconds); idempotent."""

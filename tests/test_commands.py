@@ -11,6 +11,8 @@ import pytest
 
 from mlx_lm_mla.__main__ import COMMANDS
 
+from conftest import SWAPAXES
+
 
 def run(*args):
     return subprocess.run(
@@ -110,4 +112,4 @@ def test_repro_shows_stock_failing_and_the_fix_serving():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["fixed"]["errors"] == 0 and result["fixed"]["served"] == 6
     assert result["stock"]["errors"] > 0
-    assert "'list' object has no attribute 'swapaxes'" in result["stock"]["first_error"]
+    assert SWAPAXES in result["stock"]["first_error"]

@@ -40,6 +40,8 @@ from mlx_lm_mla import __version__, lmstudio
 from mlx_lm_mla.lmstudio import installer
 from mlx_lm_mla import tiny
 
+from conftest import SWAPAXES
+
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -57,7 +59,6 @@ COPIED = (
     "mlx-lm",
 )  # into the app layer, as installed here
 NOT_LINKED = (*COPIED, "mlx-lm-mla", "pip", "setuptools")
-SWAPAXES = "'list' object has no attribute 'swapaxes'"
 
 
 def site(layer: Path) -> Path:

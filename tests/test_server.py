@@ -17,6 +17,7 @@ import pytest
 
 from mlx_lm_mla import tiny
 
+from conftest import SWAPAXES
 from serving import (
     SYSTEM,
     RequestFailed,
@@ -80,7 +81,9 @@ if KV_BITS:  # defined only where the server has the flag, not skipped
                     server.chat(q, max_tokens=20)
                 except RequestFailed:
                     failures += 1
-        assert failures == 3
+            log = server.output(tail=None)
+        # each request fails, and with the reported error
+        assert failures == 3 and log.count(SWAPAXES) >= 3, log[-3000:]
 
 
 def test_prompt_cache_and_batching_do_not_change_greedy_outputs(model_path):

@@ -16,10 +16,11 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_lm_mla import tiny
+import conftest
 from serving import free_port, server_supports, wait_until_up
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SWAPAXES = "AttributeError: 'list' object has no attribute 'swapaxes'"
+SWAPAXES = "AttributeError: " + conftest.SWAPAXES
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ Two ranks on this machine (``mlx.launch -n 2 --backend ring`` over
 loopback), each a separate process that gets the fix only through the
 package's start-up hook, as on a real cluster. ``ranks.py`` runs
 the scenarios on each rank and writes what it saw to ``rank<r>.json``;
-``serve.py`` runs ``mlx_lm.server`` there. Every launch is bounded
-by a timeout and killed with its ranks afterwards.
+``serve.py`` runs ``mlx_lm.server`` there. A launch is waited on while its
+ranks make progress (output or CPU time; ``serving.wait_for``) and killed
+with its ranks afterwards.
 
 The tests that need the fix fail without it: ``MLX_LM_MLA_DISABLE=1`` in the
 environment of pytest reaches every rank. The ``without_the_package`` tests
@@ -37,7 +38,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlx_lm_mla import tiny
 
-from conftest import leaves
+from conftest import SWAPAXES, leaves
 from serving import (
     RequestFailed,
     Server,
@@ -46,13 +47,12 @@ from serving import (
     questions,
     save_served_model,
     server_supports,
+    wait_for,
     wait_until_up,
 )
 
 HERE = Path(__file__).parent
 RANKS = 2
-TIMEOUT = 240  # seconds for one launch of every scenario
-SWAPAXES = "'list' object has no attribute 'swapaxes'"
 
 # Rope width 64, so stock KV quantization (group 64) gets to the model code.
 WIDE = {"kv_lora_rank": 128, "qk_rope_head_dim": 64}
@@ -175,16 +175,17 @@ class Run:
     """One launch of ranks.py: every rank's report."""
 
     def __init__(self, out, mode, models, disabled=False):
+        self.stalled = None
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "launch.log"
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "w+") as log:
             proc = launch(
                 HERE / "ranks.py", out, mode, *models, disabled=disabled, log=log
             )
             try:
-                proc.wait(timeout=TIMEOUT)
-            except subprocess.TimeoutExpired:
-                pass
+                wait_for(proc, log, lambda: proc.poll() is not None, what="launch")
+            except TimeoutError as e:
+                self.stalled = str(e).split("; its output")[0]
             finally:
                 stop(proc)
         self.reports = []
@@ -196,7 +197,7 @@ class Run:
             self.references.update(report.get("references", {}))
 
     def log(self):
-        return self.log_path.read_text()[-3000:]
+        return (self.stalled or "") + "\n" + self.log_path.read_text()[-3000:]
 
     def results(self, model_type, scenario):
         """(rank's result, one-process result) for every rank; each must be there."""
