@@ -40,6 +40,14 @@ def test_a_figure_changed_by_hand_is_caught():
     assert text != figures.render(name, table)
 
 
+def test_a_figure_quoted_in_a_sentence_changed_by_hand_is_caught():
+    figure = figures.render("bytes_per_token", "layer")
+    doc = f"That is <!-- figure: bytes_per_token layer -->{figure}<!-- /figure -->."
+    ((name, table, text),) = figures.blocks(doc.replace("672", "640"))
+    assert (name, table) == ("bytes_per_token", "layer")
+    assert "672" in figure and text != figures.render(name, table)
+
+
 def attention_run(peak, ms):
     row = dict(context=131072, batch=1, label="4-bit", speed=3.0, floor_mb=37.7)
     return dict(
