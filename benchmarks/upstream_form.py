@@ -25,10 +25,16 @@ with patch 1, or patches 1 and 2, of upstream/ can be run side by side:
   again;
 - decode time with the latent quantized against unquantized: 32 steps after
   a 1024-token prompt, the two interleaved over 3 rounds (patched trees, CPU).
+
+``--json [PATH]`` adds the tree's run to PATH (default
+``benchmarks/results/upstream_form.json``) beside the runs of the other
+trees already there, so the three runs make one file:
+``benchmarks/figures.py keep upstream_form`` renders it into the docs.
 """
 
 import argparse
 import inspect
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,6 +46,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_lm_mla import tiny  # noqa: E402
+
+import _common  # noqa: E402
 
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
 FIX = hasattr(cache, "MLALatentCache")
@@ -219,10 +227,9 @@ def decode_ratio(model_type, bits, rounds=3):
     return times[bits] / times[None]
 
 
-def main():
-    # No flags: the tree measured is the one on PYTHONPATH. It prints only.
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    form = "patches 1 and 2" if BATCH else "patch 1" if FIX else "release"
+def measure(form):
+    """Every figure this tree gives, printed as it comes."""
+    run = {"served": [], "batched": []}
     print(f"tree: {Path(cache.__file__).parents[2]} ({form})")
     print(
         f"{'model':<20} {'kv_bits 4, 6 requests':<44} {'bytes vs exact':>14} {'max_kv_size 64':>15}"
@@ -230,45 +237,94 @@ def main():
     for t in tiny.MLA_MODEL_TYPES:
         result, nbytes = served(t, 4)
         _, exact = served(t, None)
-        ratio = f"{nbytes / exact:.2f}" if nbytes else "-"
-        print(f"{t:<20} {result[:44]:<44} {ratio:>14} {window(t):>15}")
+        ratio = nbytes / exact if nbytes else None
+        run["served"].append(
+            dict(model=t, result=result, bytes_ratio=ratio, window=window(t))
+        )
+        shown = f"{ratio:.2f}" if ratio else "-"
+        print(
+            f"{t:<20} {result[:44]:<44} {shown:>14} {run['served'][-1]['window']:>15}"
+        )
     print(
         f"\n{'model':<20} {'BatchGenerator, kv_bits 4, 4 prompts':<44} {'bytes vs exact':>14}"
     )
     for t in ("glm4_moe_lite", "deepseek_v3", "kimi_linear", "deepseek_v32"):
         result, nbytes = batched(t, 4)
         _, exact = batched(t, None)
-        ratio = f"{nbytes / exact:.2f}" if nbytes else "-"
-        print(f"{t:<20} {result[:44]:<44} {ratio:>14}")
+        ratio = nbytes / exact if nbytes else None
+        run["batched"].append(dict(model=t, result=result, bytes_ratio=ratio))
+        print(f"{t:<20} {result[:44]:<44} {f'{ratio:.2f}' if ratio else '-':>14}")
     if not FIX:
-        return
+        return run
     print(f"\n{'model':<20} {'max |dlogit| 8 bits':>20} {'4 bits':>10}")
-    for t in tiny.MLA_MODEL_TYPES:
-        print(f"{t:<20} {fidelity(t, 8):>20.4f} {fidelity(t, 4):>10.4f}")
+    run["fidelity"] = [
+        dict(model=t, bits8=fidelity(t, 8), bits4=fidelity(t, 4))
+        for t in tiny.MLA_MODEL_TYPES
+    ]
+    for r in run["fidelity"]:
+        print(f"{r['model']:<20} {r['bits8']:>20.4f} {r['bits4']:>10.4f}")
     print("\nDeepSeek-V3 widths, one layer of 16384 tokens (bfloat16):")
+    run["one_layer"] = []
     for b in (None, 8, 4):
         per_token, step = one_layer(b)
+        run["one_layer"].append(dict(bits=b, bytes_per_token=per_token, step=step))
         print(
             f"  {b or 'exact':>5}: {per_token:.0f} bytes a token, a decode step takes {step / 2**20:.1f} MiB more"
         )
     print("A tiny glm4_moe_lite holding 8192 tokens (float32, latent 512):")
+    run["model_step"] = []
     for layers in (2, 8):
         for b in (None, 4):
             held, step = model_step(layers, b)
+            run["model_step"].append(dict(layers=layers, bits=b, cache=held, step=step))
             print(
                 f"  {layers} layers, {b or 'exact':>5}: cache {held / 2**20:.1f} MiB, "
                 f"a decode step takes {step / 2**20:.1f} MiB more"
             )
+    run["requantized"] = [
+        dict(bits=b, dtype=str(d).split(".")[-1], moved=requantized(b, d))
+        for b in (4, 8)
+        for d in (mx.bfloat16, mx.float16, mx.float32)
+    ]
     print(
         "Codes that move when a dequantized latent is quantized again: "
         + ", ".join(
-            f"{b} bits {str(d).split('.')[-1]} {requantized(b, d):.0%}"
-            for b in (4, 8)
-            for d in (mx.bfloat16, mx.float16, mx.float32)
+            f"{r['bits']} bits {r['dtype']} {r['moved']:.0%}"
+            for r in run["requantized"]
         )
     )
+    run["decode_ratio"] = []
     for t in ("glm4_moe_lite", "deepseek_v3"):
-        print(f"{t}: decode time, 4-bit latent / unquantized: {decode_ratio(t, 4):.2f}")
+        run["decode_ratio"].append(dict(model=t, ratio=decode_ratio(t, 4)))
+        print(
+            f"{t}: decode time, 4-bit latent / unquantized: {run['decode_ratio'][-1]['ratio']:.2f}"
+        )
+    return run
+
+
+def main():
+    # The tree measured is the one on PYTHONPATH.
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", nargs="?", const="", default=None, metavar="PATH")
+    args = p.parse_args()
+    started = time.perf_counter()
+    form = "patches 1 and 2" if BATCH else "patch 1" if FIX else "release"
+    run = measure(form)
+    if args.json is None:
+        return
+    path = Path(args.json or _common.RESULTS / "upstream_form.json")
+    runs = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
+    runs[form] = dict(
+        run,
+        tree=str(Path(cache.__file__).parents[2]),
+        git=_common.git_state(),
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    order = ["release", "patch 1", "patches 1 and 2"]
+    runs = {f: runs[f] for f in order if f in runs}
+    print(
+        f"wrote {_common.write_json(path, 'upstream_form', args, {'runs': runs}, started)}"
+    )
 
 
 if __name__ == "__main__":
