@@ -46,6 +46,7 @@ HOLDS = {
     **_DATA,
     "<model>.args": "<model-args>",
     "<model>.layers": "list:",
+    "<model>.language_model": "<model>",  # a wrapper's (mistral3)
     "<model-args>.max_position_embeddings": None,
     "<model-args>.vocab_size": None,
     "<model-args>.rope_scaling": None,

@@ -334,6 +334,19 @@ def test_a_wrapped_mistral4_counts_its_scaled_context_as_the_bare_one_does():
     assert context_length(bare) == context_length(wrapped) == 32
 
 
+@pytest.mark.skipif(
+    "mistral3" not in tiny.MLA_MODEL_TYPES,
+    reason="this mlx-lm's mistral3 builds no mistral4",
+)
+def test_a_wrapped_mistral4_with_empty_rope_parameters_counts_the_context_it_reads():
+    # mistral4 takes rope_parameters, even empty, over rope_scaling
+    scaling = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4}
+    kw = dict(rope_parameters={}, rope_scaling=scaling)
+    bare, _ = tiny.build_model("mistral4", **kw)
+    wrapped, _ = tiny.build_model("mistral3", **kw)
+    assert context_length(bare) == context_length(wrapped) == 16
+
+
 def test_a_drafting_servers_cache_goes_to_disk_under_the_tokens_it_holds(installed):
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache

@@ -5,7 +5,6 @@ import json
 import logging
 import math
 import os
-import types
 
 from . import cancellation, sampling
 from . import state as served
@@ -69,12 +68,13 @@ CEILING = 1 << 20
 
 def _language_args(model):
     """The language model's arguments: the model's own, or a wrapper's
-    ``text_config``: an object (Kimi-VL, Kimi K2.5) or a dict (mistral3)."""
+    ``text_config`` object (Kimi-VL, Kimi K2.5); where that is a dict
+    (mistral3), the arguments its language model was built from, as that
+    model's class read them (mistral4's rope_parameters over rope_scaling)."""
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)
-    if isinstance(text, dict):  # mistral3's: mistral4 takes rope_parameters first
-        scaling = text.get("rope_parameters") or text.get("rope_scaling")
-        return types.SimpleNamespace(**{**text, "rope_scaling": scaling})
+    if isinstance(text, dict):
+        return getattr(getattr(model, "language_model", None), "args", None)
     return args if text is None else text
 
 

@@ -472,6 +472,16 @@ NAMES = (
             ),
         )
     ),
+    *_rows(
+        "mlx_lm.models.mistral3",
+        (REQUEST_CHECKS,),
+        (
+            "Model.language_model",
+            Field(),
+            "mistral3's text_config is a dict: the arguments its language model "
+            "was built from give the context and vocabulary",
+        ),
+    ),
     # --- mlx and the standard library -----------------------------------------
     *_rows(
         "mlx.core",
