@@ -249,6 +249,130 @@ def rope_precision(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def soak_server(data, table=None):
+    """Each server's summary of the soak, a column a server."""
+    summary = data["summary"]
+    heads = {
+        "ours": "with mlx-lm-mla",
+        "stock": f"stock mlx-lm {data['versions']['mlx_lm']}",
+    }
+
+    def num(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    figures = [
+        ("requests served", lambda s: f"{s['served']} / {s['requests']}"),
+        ("errors", lambda s: str(s["errors"])),
+        ("first error at request", lambda s: num(s["first_error_index"], "d")),
+        (
+            "latency p50 / p95 (s)",
+            lambda s: (
+                f"{num(s['latency_p50'], '.3f')} / {num(s['latency_p95'], '.3f')}"
+            ),
+        ),
+        ("cached-token ratio", lambda s: num(s["cached_ratio"], ".3f")),
+        ("completion tokens", lambda s: f"{s['completion_tokens']:,}"),
+        ("peak memory VmHWM (MiB)", lambda s: num(s.get("vmhwm", 0) / MIB, ".0f")),
+    ]
+    rows = [(name, *(cell(summary[k]) for k in summary)) for name, cell in figures]
+    return (
+        rows_table(["figure", *(heads[k] for k in summary)], rows)
+        + "\n"
+        + run_line(data)
+    )
+
+
+FORMS = ["release", "patch 1", "patches 1 and 2"]
+
+
+def _outcome(r):
+    """A served or batched row's cell: what it kept, or why it failed."""
+    if r["result"] == "ok":
+        return f"ok, {r['bytes_ratio']:.2f}"
+    text = r["result"].split(":")[0] if ":" in r["result"] else r["result"]
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def upstream_form(data, table=None):
+    """The upstream form's figures by tree: ``served`` (default), ``batched``,
+    ``fidelity``, ``layer``, ``model``, ``requantized``, ``decode``."""
+    runs = data["runs"]
+    forms = [f for f in FORMS if f in runs]
+    last = runs[forms[-1]]  # the figures every patched tree gives alike
+    if table in (None, "batched"):
+        key = "served" if table is None else "batched"
+        header = ["model", *forms]
+        by_model = {r["model"]: {} for r in runs[forms[0]][key]}
+        for f in forms:
+            for r in runs[f][key]:
+                by_model[r["model"]][f] = r
+        rows = [
+            (f"`{m}`", *(_outcome(rs[f]) for f in forms)) for m, rs in by_model.items()
+        ]
+        if table is None:
+            header.append("tokens held, `max_kv_size=64`")
+            rows = [
+                (*row, " / ".join(str(runs[f]["served"][i]["window"]) for f in forms))
+                for i, row in enumerate(rows)
+            ]
+    elif table == "fidelity":
+        header = ["model", "8 bits", "4 bits"]
+        rows = [
+            (f"`{r['model']}`", f"{r['bits8']:.4f}", f"{r['bits4']:.4f}")
+            for r in last["fidelity"]
+        ]
+    elif table == "layer":
+        header = ["latent", "bytes a token", "a decode step beyond the cache (MiB)"]
+        rows = [
+            (
+                f"{r['bits']}-bit" if r["bits"] else "exact",
+                f"{r['bytes_per_token']:,.0f}",
+                f"{r['step'] / MIB:.1f}",
+            )
+            for r in last["one_layer"]
+        ]
+    elif table == "model":
+        header = ["layers", "latent", "cache (MiB)", "a decode step beyond it (MiB)"]
+        rows = [
+            (
+                r["layers"],
+                f"{r['bits']}-bit" if r["bits"] else "exact",
+                f"{r['cache'] / MIB:.1f}",
+                f"{r['step'] / MIB:.1f}",
+            )
+            for r in last["model_step"]
+        ]
+    elif table == "requantized":
+        dtypes = list(dict.fromkeys(r["dtype"] for r in last["requantized"]))
+        header = ["bits", *dtypes]
+        moved = {(r["bits"], r["dtype"]): r["moved"] for r in last["requantized"]}
+        rows = [
+            (b, *(f"{moved[b, d]:.0%}" for d in dtypes))
+            for b in dict.fromkeys(r["bits"] for r in last["requantized"])
+        ]
+    elif table == "decode":
+        patched = [f for f in forms if "decode_ratio" in runs[f]]
+        header = ["model", *patched]
+        rows = [
+            (
+                f"`{r['model']}`",
+                *(f"{runs[f]['decode_ratio'][i]['ratio']:.2f}" for f in patched),
+            )
+            for i, r in enumerate(runs[patched[0]]["decode_ratio"])
+        ]
+    else:
+        raise ValueError(f"upstream_form has no table {table!r}")
+    v = data["versions"]
+    trees = "; ".join(f"{f} at {runs[f]['git']['commit']}" for f in forms)
+    return (
+        rows_table(header, rows)
+        + "\n"
+        + f"Runs: {trees}; mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, {v['device']}, "
+        f"{v['machine']}; `MLX_LM_MLA_DISABLE=1 [PYTHONPATH=TREE] python "
+        f"benchmarks/upstream_form.py --json`.\n"
+    )
+
+
 def fidelity(data, table=None):
     header = [
         "model",
@@ -455,6 +579,8 @@ RENDER = {
     "next_turn": next_turn,
     "peak_memory": peak_memory,
     "rope_precision": rope_precision,
+    "soak_server": soak_server,
+    "upstream_form": upstream_form,
 }
 
 
