@@ -249,6 +249,13 @@ def rope_precision(data, table=None):
     return rows_table(header, rows) + "\n" + run_line(data)
 
 
+def _tracebacks(summary):
+    found = summary["server_exceptions"]
+    if not found:
+        return "0"
+    return f"{found['count']}: " + ", ".join(f"`{e}`" for e in found["distinct"])
+
+
 def soak_server(data, table=None):
     """Each server's summary of the soak, a column a server."""
     summary = data["summary"]
@@ -264,6 +271,7 @@ def soak_server(data, table=None):
         ("requests served", lambda s: f"{s['served']} / {s['requests']}"),
         ("errors", lambda s: str(s["errors"])),
         ("first error at request", lambda s: num(s["first_error_index"], "d")),
+        ("tracebacks in its log", _tracebacks),
         (
             "latency p50 / p95 (s)",
             lambda s: (
