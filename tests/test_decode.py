@@ -470,11 +470,11 @@ def test_a_forced_kernel_where_there_is_none_says_so(installed, monkeypatch):
         short_logits(model)
 
 
-def attention_step(batch, length, dtype=mx.bfloat16):
+def attention_step(batch, length, dtype=mx.bfloat16, width=512):
     """A decode step's attention at GLM-4.7-Flash's widths (20 heads, 512)."""
     k = mx.random.split(mx.random.key(batch * length), 3)
-    q = mx.random.normal((batch, 20, 1, 512), key=k[0]).astype(dtype)
-    x = mx.random.normal((batch, 1, length, 512), key=k[1]).astype(dtype)
+    q = mx.random.normal((batch, 20, 1, width), key=k[0]).astype(dtype)
+    x = mx.random.normal((batch, 1, length, width), key=k[1]).astype(dtype)
     mask = mx.random.normal((batch, 20, 1, length), key=k[2]).astype(dtype)
     sdpa = importlib.import_module("mlx_lm.models.base").scaled_dot_product_attention
     return decode.attend(sdpa, q, x, None, 0.1, mask)
@@ -549,6 +549,19 @@ def test_on_the_cpu_the_fold_serves_from_16_positions_by_rule(monkeypatch, calls
             attention_step(1, length)
     assert sorted(decode._CHOSEN.values()) == ["fold", "fold", "stock", "stock"]
     assert len(calls) == 2
+
+
+def test_on_the_cpu_a_latent_of_a_width_the_rule_was_not_measured_at_is_stock(
+    monkeypatch, calls
+):
+    monkeypatch.delenv("MLX_LM_MLA_DECODE")
+    monkeypatch.setattr(decode, "_CHOSEN", {})
+    monkeypatch.setattr(decode, "_OFF", {})
+    monkeypatch.setattr(decode, "_seconds", lambda runs: pytest.fail("timed"))
+    with mx.stream(mx.cpu):
+        for width in (64, 128, 1024):
+            attention_step(1, 1000, dtype=mx.float32, width=width)
+    assert list(decode._CHOSEN.values()) == ["stock"] * 3 and calls == []
 
 
 # Run where MLX's float32 matmuls take their default precision (TF32 on CUDA
