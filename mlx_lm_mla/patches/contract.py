@@ -286,17 +286,6 @@ NAMES = (
             "the rows queued: insert checks their caches (an entry's fourth)",
         ),
         ("BatchGenerator._generation_batch", Field(), "the rows being decoded"),
-        (
-            "BatchGenerator._currently_processing",
-            Field(),
-            "each prefilling row's [segments, tokens done, tokens in all]: a row "
-            "quantizes where generate_step would",
-        ),
-        (
-            "BatchGenerator.prefill_step_size",
-            Field(),
-            "generate_step quantizes after every prefill_step_size tokens",
-        ),
         ("PromptProcessingBatch.prompt_cache", Field(), "its caches quantize"),
         ("GenerationBatch.prompt_cache", Field(), "its caches quantize"),
     ),

@@ -125,40 +125,17 @@ def quantizing_next(original):
         server = served.current()
         settings = KVSettings.of(server.cli_args) if server is not None else None
         if settings is not None and has_latent_attention(self.model):
-            for batch, lags in (
-                (self._prompt_batch, prefill_lags(self)),
-                (self._generation_batch, None),
-            ):
+            for batch in (self._prompt_batch, self._generation_batch):
                 quantize.quantize_batches(
                     batch.prompt_cache,
                     settings.group_size,
                     settings.bits,
                     settings.start,
-                    lags,
                 )
         return result
 
     _next.mlx_lm_mla_original = original
     return _next
-
-
-def prefill_lags(generator):
-    """For each row being prefilled, how many tokens ago it passed the last
-    point where ``generate_step`` would quantize its cache (after every
-    ``prefill_step_size`` tokens, and after all but its last one), or None
-    before the first. Where a row is first quantized decides what every later
-    token reads, so a batch quantizes there, not at the end of a segment (the
-    server's system prompt): a request's text then does not depend on its path."""
-    step = generator.prefill_step_size
-    try:
-        rows = [(int(n), int(t)) for _, n, t in generator._currently_processing]
-    except (TypeError, ValueError):  # another layout: rows quantize at the start
-        return None
-    lags = []
-    for processed, total in rows:
-        point = total - 1 if processed >= total - 1 else processed - processed % step
-        lags.append(processed - point if point > 0 else None)
-    return lags
 
 
 def _latent_widths(model):

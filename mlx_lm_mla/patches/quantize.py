@@ -152,11 +152,9 @@ def latent_extend(original):
 # --- batches the server quantizes (patches/generate.py calls it) -----------
 
 
-def quantize_batches(caches, group_size, bits, start, lags=None):
+def quantize_batches(caches, group_size, bits, start):
     """Quantizes in place each batch row whose own length reached ``start``, not
-    the longest row's (``BatchMixedLatentCache``); with ``lags`` (one a row,
-    ``prefill_lags``), whose length had reached it that many tokens ago, at a
-    point where ``generate_step`` quantizes (None: no such point yet)."""
+    the longest row's (``BatchMixedLatentCache``)."""
     batches = [
         c
         for c in leaves(caches)
@@ -174,12 +172,6 @@ def quantize_batches(caches, group_size, bits, start, lags=None):
         if isinstance(first, BatchMixedLatentCache)
         else [False] * len(lengths)
     )
-    if lags is None or len(lags) != len(lengths):  # rows quantize at start
-        lags = [0] * len(lengths)
-    rows = [
-        i
-        for i, (n, q, lag) in enumerate(zip(lengths, done, lags))
-        if lag is not None and n - lag >= start and not q
-    ]
+    rows = [i for i, (n, q) in enumerate(zip(lengths, done)) if n >= start and not q]
     for c in batches:
         quantize_rows(c, rows, group_size, bits)
