@@ -113,7 +113,7 @@ def wait_for(proc, log, done, stall=120, bound=900, what="process"):
     start = moved = time.monotonic()
     seen = progress(proc, log)
     while not done():
-        if proc.poll() is not None:
+        if proc.poll() is not None and not done():  # done() may be its exit
             raise RuntimeError(
                 f"{what} exited with {proc.returncode}; its output:\n{output(log)}"
             )

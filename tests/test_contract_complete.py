@@ -50,6 +50,7 @@ HOLDS = {
     "<model-args>.max_position_embeddings": None,
     "<model-args>.vocab_size": None,
     "<model-args>.rope_scaling": None,
+    "<model-args>.rope_parameters": None,
     "<model-args>.text_config": "<model-args>",
     "<cache>.caches": "list:<cache>",
     "<cache>[]": "<cache>",  # a CacheList's member, by its __getitem__

@@ -1,5 +1,6 @@
 """Guards on the cross-request path (LRUPromptCache), for any model type."""
 
+import copy
 import os
 import resource
 import socket
@@ -345,6 +346,43 @@ def test_a_wrapped_mistral4_with_empty_rope_parameters_counts_the_context_it_rea
     bare, _ = tiny.build_model("mistral4", **kw)
     wrapped, _ = tiny.build_model("mistral3", **kw)
     assert context_length(bare) == context_length(wrapped) == 16
+
+
+MINISTRAL3 = dict(
+    model_type="ministral3",
+    hidden_size=64,
+    num_hidden_layers=1,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    vocab_size=256,
+    max_position_embeddings=4096,
+    rope_parameters=dict(
+        rope_type="yarn",
+        factor=16.0,
+        original_max_position_embeddings=1024,
+        llama_4_scaling_beta=0.1,
+        rope_theta=1e6,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1,
+        mscale_all_dim=1,
+    ),
+)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "in_mistral3"])
+def test_a_ministral3_counts_the_context_its_rope_parameters_scale_to(wrapped):
+    from mlx_lm.utils import _get_classes
+
+    config = copy.deepcopy(MINISTRAL3)
+    if wrapped:
+        config = {"model_type": "mistral3", "text_config": config}
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(copy.deepcopy(config)))
+    assert context_length(model) == 1024 * 16
 
 
 def test_a_drafting_servers_cache_goes_to_disk_under_the_tokens_it_holds(installed):

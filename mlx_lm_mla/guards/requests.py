@@ -86,6 +86,8 @@ def context_length(model):
     args = _language_args(model)
     length = getattr(args, "max_position_embeddings", None)
     scaling = getattr(args, "rope_scaling", None)
+    if scaling is None:  # ministral3 keeps its YaRN set-up in rope_parameters only
+        scaling = getattr(args, "rope_parameters", None)
     if not isinstance(length, int):
         return None
     factor = scaling.get("factor") if isinstance(scaling, dict) else None

@@ -473,6 +473,15 @@ NAMES = (
         )
     ),
     *_rows(
+        "mlx_lm.models.ministral3",
+        (REQUEST_CHECKS,),
+        (
+            "ModelArgs.rope_parameters",
+            Field(),
+            "its YaRN set-up (it has no rope_scaling): the context it reaches",
+        ),
+    ),
+    *_rows(
         "mlx_lm.models.mistral3",
         (REQUEST_CHECKS,),
         (
