@@ -320,8 +320,8 @@ def upstream_form(data, table=None):
         if table is None:
             header.append("tokens held, `max_kv_size=64`")
             rows = [
-                (*row, " / ".join(str(runs[f]["served"][i]["window"]) for f in forms))
-                for i, row in enumerate(rows)
+                (*row, " / ".join(str(by_model[m][f]["window"]) for f in forms))
+                for row, m in zip(rows, by_model)
             ]
     elif table == "fidelity":
         header = ["model", "8 bits", "4 bits"]

@@ -314,9 +314,16 @@ def main():
         return
     path = Path(args.json or _common.RESULTS / "upstream_form.json")
     runs = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
+    here = _common.versions()
+    for other in list(runs):  # the trees' runs are compared: one mlx, one machine
+        theirs = runs[other].get("versions", {})
+        if any(theirs.get(k) != here[k] for k in ("mlx", "mlx_lm", "machine")):
+            print(f"dropped the {other} run of {path}: another mlx or machine")
+            del runs[other]
     runs[form] = dict(
         run,
         tree=str(Path(cache.__file__).parents[2]),
+        versions=here,
         git=_common.git_state(),
         seconds=round(time.perf_counter() - started, 1),
     )
