@@ -118,6 +118,7 @@ def _masked(scores, mask):
 
 
 PATHS = ("auto", "stock", "fold", "kernel")
+_PARSED = {}  # MLX_LM_MLA_DECODE's value -> its path
 
 
 def decode_path():
@@ -125,12 +126,15 @@ def decode_path():
     default: chosen per kind of step, see ``attend``), ``stock`` (mlx-lm's
     attention), ``fold`` (``latent_attention``) or ``kernel`` (``decode_cuda``)."""
     value = os.environ.get("MLX_LM_MLA_DECODE", "")
-    path = value.strip().lower() or "auto"
-    if path not in PATHS:
-        raise ValueError(
-            f"MLX_LM_MLA_DECODE={value!r} is not a decode path: use one of "
-            + ", ".join(PATHS)
-        )
+    path = _PARSED.get(value)  # read at every layer's step: parsed once a value
+    if path is None:
+        path = value.strip().lower() or "auto"
+        if path not in PATHS:
+            raise ValueError(
+                f"MLX_LM_MLA_DECODE={value!r} is not a decode path: use one of "
+                + ", ".join(PATHS)
+            )
+        _PARSED[value] = path
     return path
 
 
@@ -157,20 +161,17 @@ def attend(original, queries, latent, cache, scale, mask):
     device and the paths it offers: on the CPU by rule (see ``rule``),
     elsewhere by ``choose`` at the first such step. A chosen path that raises
     later is turned off for the kind and stock serves."""
-    kind, paths = _paths(original, queries, latent, cache, scale, mask)
+    owner = packed_cache(cache, latent)
     path = decode_path()
+    if path == "auto":
+        key = _key(queries, latent, owner, mask)
+        if _CHOSEN.get(key) == "stock":  # stock's step and nothing else to build
+            return _stock(original, queries, latent, owner, cache, scale, mask)
+    kind, paths = _paths(original, queries, latent, cache, scale, mask, owner)
     if path != "auto":
         if path not in paths:
             raise RuntimeError(f"MLX_LM_MLA_DECODE=kernel: {_no_kernel()}")
         return paths[path]()
-    offered = tuple(n for n in paths if n != "reference")
-    key = (
-        kind,
-        queries.shape[0],
-        latent.shape[2].bit_length(),
-        str(mx.default_device()),
-        offered,
-    )
     if key not in _CHOSEN:
         path = rule(key)
         if path is None:
@@ -210,27 +211,53 @@ def rule(key):
     return "fold" if 1 << (key[2] - 1) >= CPU_FOLD_FROM else "stock"
 
 
-def _paths(original, queries, latent, cache, scale, mask):
-    """The step's kind and its paths, each a function giving its output."""
-    owner = packed_cache(cache, latent)
+def _kind(queries, latent, owner, mask):
+    """Heads, width, query dtype, the latent's dtype or packed format, mask dtype."""
     packed = None if owner is None else owner.latent_bytes(latent)
-    read = None if owner is None else owner.latent_reader(latent)
-
-    def stock():
-        # A quantized latent dequantized afresh, as stock's step pays for it.
-        rows = latent if read is None else read(0, latent.shape[2], latent.dtype)
-        return original(queries, rows, rows, cache, scale=scale, mask=mask)
-
-    def fold():
-        return latent_attention(queries, latent, scale, mask, read)
-
-    kind = (
+    return (
         queries.shape[1],
         queries.shape[-1],
         queries.dtype,
         packed[2] if packed else latent.dtype,
         getattr(mask, "dtype", None),
     )
+
+
+PORTABLE = ("stock", "fold")  # the paths every device offers
+
+
+def _key(queries, latent, owner, mask):
+    """What a choice is kept for: the kind, batch, length's bits, device and the
+    paths offered (those ``_paths`` gives, less the reference)."""
+    offered = ("stock", "fold", "kernel") if decode_cuda.available() else PORTABLE
+    return (
+        _kind(queries, latent, owner, mask),
+        queries.shape[0],
+        latent.shape[2].bit_length(),
+        str(mx.default_device()),
+        offered,
+    )
+
+
+def _stock(original, queries, latent, owner, cache, scale, mask):
+    # A quantized latent dequantized afresh, as stock's step pays for it.
+    read = None if owner is None else owner.latent_reader(latent)
+    rows = latent if read is None else read(0, latent.shape[2], latent.dtype)
+    return original(queries, rows, rows, cache, scale=scale, mask=mask)
+
+
+def _paths(original, queries, latent, cache, scale, mask, owner):
+    """The step's kind and its paths, each a function giving its output."""
+    packed = None if owner is None else owner.latent_bytes(latent)
+    read = None if owner is None else owner.latent_reader(latent)
+
+    def stock():
+        return _stock(original, queries, latent, owner, cache, scale, mask)
+
+    def fold():
+        return latent_attention(queries, latent, scale, mask, read)
+
+    kind = _kind(queries, latent, owner, mask)
 
     def kernel():
         out = decode_cuda.latent_attention(queries, latent, scale, mask, packed)
