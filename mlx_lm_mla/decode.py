@@ -162,12 +162,15 @@ def attend(original, queries, latent, cache, scale, mask):
     elsewhere by ``choose`` at the first such step. A chosen path that raises
     later is turned off for the kind and stock serves."""
     owner = packed_cache(cache, latent)
+    packed = None if owner is None else owner.latent_bytes(latent)
+    kind = _kind(queries, latent, packed, mask)
     path = decode_path()
     if path == "auto":
-        key = _key(queries, latent, owner, mask)
+        key = _key(kind, queries, latent)
         if _CHOSEN.get(key) == "stock":  # stock's step and nothing else to build
-            return _stock(original, queries, latent, owner, cache, scale, mask)
-    kind, paths = _paths(original, queries, latent, cache, scale, mask, owner)
+            read = None if owner is None else owner.latent_reader(latent)
+            return _stock(original, queries, latent, read, cache, scale, mask)
+    paths = _paths(original, queries, latent, cache, scale, mask, owner, packed, kind)
     if path != "auto":
         if path not in paths:
             raise RuntimeError(f"MLX_LM_MLA_DECODE=kernel: {_no_kernel()}")
@@ -211,9 +214,8 @@ def rule(key):
     return "fold" if 1 << (key[2] - 1) >= CPU_FOLD_FROM else "stock"
 
 
-def _kind(queries, latent, owner, mask):
+def _kind(queries, latent, packed, mask):
     """Heads, width, query dtype, the latent's dtype or packed format, mask dtype."""
-    packed = None if owner is None else owner.latent_bytes(latent)
     return (
         queries.shape[1],
         queries.shape[-1],
@@ -226,12 +228,12 @@ def _kind(queries, latent, owner, mask):
 PORTABLE = ("stock", "fold")  # the paths every device offers
 
 
-def _key(queries, latent, owner, mask):
+def _key(kind, queries, latent):
     """What a choice is kept for: the kind, batch, length's bits, device and the
     paths offered (those ``_paths`` gives, less the reference)."""
     offered = ("stock", "fold", "kernel") if decode_cuda.available() else PORTABLE
     return (
-        _kind(queries, latent, owner, mask),
+        kind,
         queries.shape[0],
         latent.shape[2].bit_length(),
         str(mx.default_device()),
@@ -239,25 +241,21 @@ def _key(queries, latent, owner, mask):
     )
 
 
-def _stock(original, queries, latent, owner, cache, scale, mask):
+def _stock(original, queries, latent, read, cache, scale, mask):
     # A quantized latent dequantized afresh, as stock's step pays for it.
-    read = None if owner is None else owner.latent_reader(latent)
     rows = latent if read is None else read(0, latent.shape[2], latent.dtype)
     return original(queries, rows, rows, cache, scale=scale, mask=mask)
 
 
-def _paths(original, queries, latent, cache, scale, mask, owner):
-    """The step's kind and its paths, each a function giving its output."""
-    packed = None if owner is None else owner.latent_bytes(latent)
+def _paths(original, queries, latent, cache, scale, mask, owner, packed, kind):
+    """The step's paths, each a function giving its output."""
     read = None if owner is None else owner.latent_reader(latent)
 
     def stock():
-        return _stock(original, queries, latent, owner, cache, scale, mask)
+        return _stock(original, queries, latent, read, cache, scale, mask)
 
     def fold():
         return latent_attention(queries, latent, scale, mask, read)
-
-    kind = _kind(queries, latent, owner, mask)
 
     def kernel():
         out = decode_cuda.latent_attention(queries, latent, scale, mask, packed)
@@ -272,7 +270,7 @@ def _paths(original, queries, latent, cache, scale, mask, owner):
     if decode_cuda.available():
         paths["kernel"] = kernel
     paths["reference"] = lambda: reference_attention(queries, latent, scale, mask, read)
-    return kind, paths
+    return paths
 
 
 def _no_kernel():

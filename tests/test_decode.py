@@ -300,7 +300,7 @@ def broken(monkeypatch, path, after=0):
     calls, original = [], decode._paths
 
     def paths(*args):
-        kind, runs = original(*args)
+        runs = original(*args)
         run = runs[path]
 
         def failing():
@@ -310,7 +310,7 @@ def broken(monkeypatch, path, after=0):
             return run()
 
         runs[path] = failing
-        return kind, runs
+        return runs
 
     monkeypatch.setattr(decode, "_paths", paths)
     return calls
@@ -393,10 +393,10 @@ def test_a_fold_that_disagrees_with_float32_attention_serves_no_step(
     original = decode._paths
 
     def paths(*args):
-        kind, runs = original(*args)
+        runs = original(*args)
         run = runs["fold"]
         runs["fold"] = lambda: wrong(run())
-        return kind, runs
+        return runs
 
     monkeypatch.setattr(decode, "_paths", paths)
     model, _ = tiny.build_model("glm4_moe_lite")
